@@ -1,0 +1,172 @@
+"""``trainer``: train, eval, config, check, data, launch, bench.
+
+The one training command, the same under every launcher::
+
+    python -m trainer train --config configs/smoke.yaml                  # one process: the CPU or one GPU
+    torchrun --nproc-per-node 2 -m trainer train --config configs/default.yaml     # DDP on 2 GPUs (or CPU+gloo)
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+        --rdzv-id JOB -m trainer train --config configs/default.yaml     # many nodes: no code change
+    trainer launch --config configs/default.yaml    # checks the input, then torchrun, 1 process per GPU
+    python -m torch.distributed.launch --nproc_per_node 2 -m trainer train ...   # legacy, --local-rank ok
+
+Overrides follow the options as ``key=value`` (``train.epochs=5 data.dir=/data``). Usage errors
+print one line and exit 2 before anything is written.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shutil
+import sys
+import time
+
+import click
+
+from trainer.config import ConfigError, explain, load_config, to_yaml
+from trainer.faults import EXIT_USAGE
+
+_LOCAL_RANK = re.compile(r"^--local[-_]rank(=(\d+))?$")
+
+
+def strip_local_rank(argv: list[str]) -> list[str]:
+    """Accept torch.distributed.launch's ``--local_rank N`` / ``--local-rank=N`` anywhere in argv:
+    drop it and export LOCAL_RANK (torchrun's environment wins when both are there)."""
+    out, i = [], 0
+    while i < len(argv):
+        m = _LOCAL_RANK.match(argv[i])
+        if m:
+            value = m.group(2)
+            if value is None and i + 1 < len(argv):
+                i += 1
+                value = argv[i]
+            os.environ.setdefault("LOCAL_RANK", str(value))
+        else:
+            out.append(argv[i])
+        i += 1
+    return out
+
+
+def usage_errors(fn):
+    """ConfigError -> one line on stderr (from rank 0 only) and exit code 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except ConfigError as e:
+            if os.environ.get("RANK", "0") == "0":
+                click.echo(f"error: {e}", err=True)
+            sys.exit(EXIT_USAGE)
+
+    return wrapper
+
+
+def config_options(fn):
+    fn = click.argument("overrides", nargs=-1)(fn)
+    fn = click.option("--config", "-c", "config_file", metavar="FILE", help="YAML config (configs/*.yaml).")(fn)
+    return usage_errors(fn)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """CIFAR-10 training for one CPU, one GPU, DataParallel, DDP and many nodes, from one command."""
+
+
+@main.command()
+@config_options
+def train(config_file, overrides):
+    """Train; resumes by itself from the newest complete checkpoint in checkpoint.dir."""
+    started = time.perf_counter()
+    cfg = load_config(config_file, overrides)
+    from trainer.dist import setup, teardown
+    from trainer.loop import Trainer
+    from trainer.setup import build
+
+    rt = setup(cfg)
+    try:
+        code = Trainer(build(cfg, rt, started)).fit()
+    finally:
+        teardown()
+    sys.exit(code)
+
+
+@main.command("eval")
+@click.argument("checkpoint_path", metavar="CHECKPOINT")
+@config_options
+def eval_cmd(checkpoint_path, config_file, overrides):
+    """Test accuracy of a saved checkpoint (a step-N folder). Overrides such as data.dir=... apply
+    on top of the config stored in the checkpoint."""
+    from trainer.evaluate import evaluate_checkpoint
+
+    loss, acc, n = evaluate_checkpoint(checkpoint_path, config_file, overrides)
+    if os.environ.get("RANK", "0") == "0":
+        click.echo(f"{checkpoint_path}: test accuracy {100 * acc:.2f}% ({n} images), test loss {loss:.4f}")
+
+
+@main.command()
+@click.option("--explain", "show_keys", is_flag=True, help="List every key with its type, default and meaning.")
+@config_options
+def config(show_keys, config_file, overrides):
+    """Print the resolved config (defaults < --config file < key=value overrides)."""
+    click.echo(explain() if show_keys else to_yaml(load_config(config_file, overrides)).rstrip("\n"))
+
+
+@main.command()
+@config_options
+def check(config_file, overrides):
+    """Validate config and inputs without training (launchers run this before torchrun)."""
+    from trainer.evaluate import preflight
+
+    preflight(load_config(config_file, overrides))
+    click.echo("ok")
+
+
+@main.command()
+@config_options
+def data(config_file, overrides):
+    """Download or decode the data set into its uint8 cache, then exit (e.g. an init container)."""
+    from trainer import data as datasets
+
+    train_split, test_split = datasets.load(load_config(config_file, overrides))
+    click.echo(f"{len(train_split)} train and {len(test_split)} test images, classes: {', '.join(train_split.classes)}")
+
+
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.option("--nproc-per-node", default="auto", help="Processes on this node (auto: one per visible GPU, else 2).")
+@click.option("--max-restarts", default=3, show_default=True, help="torchrun restarts of the whole group after a failure.")
+@config_options
+def launch(nproc_per_node, max_restarts, config_file, overrides):
+    """Check the input, then exec torchrun -m trainer train with the same arguments."""
+    from trainer.evaluate import preflight
+
+    cfg = load_config(config_file, overrides)
+    preflight(cfg)
+    if nproc_per_node == "auto":
+        import torch
+
+        nproc_per_node = str(torch.cuda.device_count() or 2)
+    torchrun = shutil.which("torchrun") or "torchrun"
+    args = [torchrun, "--standalone", f"--nproc-per-node={nproc_per_node}", f"--max-restarts={max_restarts}", "-m", "trainer", "train"]
+    args += (["--config", config_file] if config_file else []) + list(overrides)
+    click.echo(" ".join(args), err=True)
+    sys.stdout.flush()
+    os.execv(torchrun, args)
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.pass_context
+def bench(ctx):
+    """GPU benchmark: the article's loop beside this trainer (see BENCHMARKS.md)."""
+    from trainer.bench import run
+
+    sys.exit(run.main(ctx.args))
+
+
+def entry() -> None:
+    main(args=strip_local_rank(sys.argv[1:]), prog_name="trainer")
+
+
+if __name__ == "__main__":
+    entry()

@@ -1,0 +1,401 @@
+"""Typed configuration: nested dataclasses, a YAML file, then ``key=value`` overrides.
+
+Precedence is CLI > file > defaults. Every field carries a docstring (read them here, or with
+``trainer config --explain``). Unknown keys, wrong types and impossible values raise
+:class:`ConfigError` with a one-line message that names the key and what it accepts; the CLI turns
+that into exit code 2 before any process group, data set or checkpoint is touched.
+
+``None`` in a ``bool | None`` field means *auto*: on for CUDA GPUs, off on the CPU. Write it as
+``auto`` (or ``null``) in YAML and on the command line.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A usage error: bad key, type or value. The message is one line that names the fix."""
+
+
+Strategy = Literal["auto", "cpu", "single", "dp", "ddp", "fsdp"]
+
+
+@dataclass
+class ModelConfig:
+    name: Literal["resnet18", "seednet", "airnet", "tinynet"] = "resnet18"
+    """Network from the registry in trainer/models.py: resnet18 (CIFAR stem), seednet (the article's
+    604 M-parameter CNN), airnet (small fast net of the speed recipe), tinynet (for tests)."""
+    compile: bool | None = None
+    """torch.compile the model (auto: on for CUDA). Costs tens of seconds before the first step."""
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = (
+        "default"
+    )
+    """torch.compile mode."""
+    channels_last: bool | None = None
+    """Keep activations and conv weights in NHWC, what Tensor Cores want (auto: on for CUDA)."""
+
+
+@dataclass
+class DataConfig:
+    name: Literal["cifar10", "imagefolder", "synthetic"] = "cifar10"
+    """cifar10 (torchvision, downloaded once per machine), imagefolder (train/ and test/ class folders,
+    or their .tar.gz, e.g. ../shared/data) or synthetic (generated, learnable, offline)."""
+    dir: str = "./data"
+    """Folder that holds the data set (the container's /data volume)."""
+    download: bool = True
+    """Download CIFAR-10 when it is not in data.dir (one process per machine; the others wait)."""
+    cache_dir: str | None = None
+    """Where the decoded uint8 cache goes (default: data.dir, or checkpoint.dir when data.dir is
+    read-only)."""
+    train_subset: int = 0
+    """Train on this many images drawn at random (0 = all)."""
+    test_subset: int = 0
+    """Evaluate on this many test images drawn at random (0 = all)."""
+    synthetic_train_size: int = 50000
+    """Training images of the synthetic set."""
+    synthetic_test_size: int = 10000
+    """Test images of the synthetic set."""
+    crop_padding: int = 4
+    """Random-crop padding in pixels for training (0 turns the crop off)."""
+    crop_mode: Literal["zeros", "reflect"] = "zeros"
+    """How the random crop fills the border: zero padding or a mirror of the image."""
+    flip: bool = True
+    """Random horizontal flips for training."""
+    device_resident: bool | None = None
+    """Keep the whole uint8 data set on the GPU and index it there (auto: on for CUDA). Off: a
+    DataLoader with DistributedSampler and pinned memory feeds each step."""
+    num_workers: int = 2
+    """DataLoader workers when data.device_resident is off."""
+    eval_batch_size: int = 1000
+    """Test images per process per evaluation step."""
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["sgd", "adamw"] = "sgd"
+    """Optimizer."""
+    lr: float = 0.2
+    """Peak learning rate for the global batch."""
+    momentum: float = 0.9
+    """SGD momentum (beta1 for AdamW)."""
+    nesterov: bool = True
+    """Nesterov momentum (SGD)."""
+    weight_decay: float = 5e-4
+    """L2 weight decay."""
+    schedule: Literal["cosine", "triangle", "constant"] = "cosine"
+    """Learning-rate schedule over all steps of all epochs: linear warm-up, then cosine or linear
+    decay to optim.final_lr_fraction; or constant."""
+    warmup_epochs: float = 1.0
+    """Linear warm-up length in epochs (cosine, triangle)."""
+    warmup_start: float = 0.0
+    """Learning rate at step 0, as a fraction of optim.lr."""
+    final_lr_fraction: float = 0.0
+    """Learning rate at the last step, as a fraction of optim.lr."""
+    label_smoothing: float = 0.0
+    """Cross-entropy label smoothing."""
+    bias_lr_scale: float = 1.0
+    """Learning-rate multiplier for biases and norm parameters (no weight decay on them)."""
+    impl: Literal["auto", "fused", "foreach", "loop"] = "auto"
+    """Optimizer kernels: fused (one kernel, CUDA), foreach (batched) or a plain loop (auto: fused
+    on CUDA, foreach on the CPU)."""
+    ema_every: int = 0
+    """Lookahead: every N steps pull the weights towards a slow copy (0 = off)."""
+
+
+@dataclass
+class TrainConfig:
+    strategy: Strategy = "auto"
+    """auto (ddp under torchrun, else one GPU, else the CPU), cpu, single (one GPU), dp
+    (DataParallel over the visible GPUs: easy and slow), ddp (DistributedDataParallel under
+    torchrun), fsdp (sharded data parallel under torchrun: gradients and optimizer state split
+    across ranks)."""
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """Where ddp/fsdp processes compute (auto: CUDA when visible)."""
+    epochs: int = 30
+    """Passes over the training set."""
+    batch_size: int = 512
+    """Global batch: split evenly across processes (must be a multiple of the world size)."""
+    seed: int = 0
+    """Seed of the model's initialisation, the epoch order and the augmentation."""
+    deterministic: bool = False
+    """Deterministic kernels (bit-identical reruns; slower on GPUs)."""
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """bf16 autocast or plain fp32 (auto: bf16 on CUDA)."""
+    log_every: int = 50
+    """Steps between log lines: each one is a CPU-GPU sync point."""
+    max_steps: int = 0
+    """Stop after this many steps in all (0 = run every epoch); for benchmarks and smoke runs."""
+    eval_every: int = 1
+    """Epochs between test evaluations (the last epoch is always evaluated)."""
+    tta: Literal["none", "flip", "flip_translate"] = "none"
+    """Test-time augmentation: average the logits of the image and its mirror (flip), and also of
+    copies shifted by one pixel (flip_translate)."""
+    plot: bool = True
+    """Write curves.png (loss and accuracy) at the end."""
+
+
+@dataclass
+class DistConfig:
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """Collective backend (auto: nccl on CUDA, gloo on the CPU)."""
+    timeout_s: int = 300
+    """Seconds a collective may wait for a silent rank before the job fails (and torchrun restarts)."""
+    bucket_mb: int = 25
+    """DDP gradient bucket size in MB."""
+    gradient_as_bucket_view: bool = True
+    """DDP: gradients live in the communication buckets (saves a copy of every gradient)."""
+    static_graph: bool = False
+    """DDP: the graph is the same every step (lets DDP skip per-step bookkeeping)."""
+    comm_hook: Literal["none", "bf16", "fp16"] = "none"
+    """DDP: compress gradients to 16 bits for the all-reduce."""
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    """fsdp: precision of the gradient reduce-scatter."""
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = "./checkpoints"
+    """Run folder: step-N checkpoints, config.yaml, metrics.jsonl and curves.png (rank 0 writes)."""
+    every_epochs: int = 1
+    """Save after every N epochs (0 = only at the end)."""
+    every_steps: int = 0
+    """Also save every N steps inside an epoch (0 = off); resumes mid-epoch."""
+    keep: int = 3
+    """Keep the newest K complete checkpoints."""
+    resume: str = "auto"
+    """auto (newest complete checkpoint in checkpoint.dir, if any), never, or a checkpoint path."""
+    async_save: bool | None = None
+    """Copy the state to pinned host memory and write it in the background (auto: on for CUDA)."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def validate(self) -> Config:
+        """Raise ConfigError on the first impossible value; return self."""
+        positive = {
+            "train.epochs": self.train.epochs,
+            "train.batch_size": self.train.batch_size,
+            "train.log_every": self.train.log_every,
+            "train.eval_every": self.train.eval_every,
+            "optim.lr": self.optim.lr,
+            "data.eval_batch_size": self.data.eval_batch_size,
+            "dist.timeout_s": self.dist.timeout_s,
+            "dist.bucket_mb": self.dist.bucket_mb,
+            "checkpoint.keep": self.checkpoint.keep,
+            "data.synthetic_train_size": self.data.synthetic_train_size,
+            "data.synthetic_test_size": self.data.synthetic_test_size,
+        }
+        for key, value in positive.items():
+            if value <= 0:
+                raise ConfigError(f"{key}={value} must be greater than 0")
+        non_negative = {
+            "train.max_steps": self.train.max_steps,
+            "optim.weight_decay": self.optim.weight_decay,
+            "optim.momentum": self.optim.momentum,
+            "optim.warmup_epochs": self.optim.warmup_epochs,
+            "optim.final_lr_fraction": self.optim.final_lr_fraction,
+            "optim.warmup_start": self.optim.warmup_start,
+            "optim.label_smoothing": self.optim.label_smoothing,
+            "optim.bias_lr_scale": self.optim.bias_lr_scale,
+            "optim.ema_every": self.optim.ema_every,
+            "data.train_subset": self.data.train_subset,
+            "data.test_subset": self.data.test_subset,
+            "data.crop_padding": self.data.crop_padding,
+            "data.num_workers": self.data.num_workers,
+            "checkpoint.every_epochs": self.checkpoint.every_epochs,
+            "checkpoint.every_steps": self.checkpoint.every_steps,
+            "train.seed": self.train.seed,
+        }
+        for key, value in non_negative.items():
+            if value < 0:
+                raise ConfigError(f"{key}={value} must not be negative")
+        if self.optim.momentum >= 1:
+            raise ConfigError(f"optim.momentum={self.optim.momentum} must be below 1")
+        if self.optim.label_smoothing >= 1:
+            raise ConfigError(f"optim.label_smoothing={self.optim.label_smoothing} must be below 1")
+        if self.optim.nesterov and self.optim.momentum == 0 and self.optim.name == "sgd":
+            raise ConfigError("optim.nesterov=true needs optim.momentum > 0; set optim.nesterov=false")
+        if not self.checkpoint.dir:
+            raise ConfigError("checkpoint.dir must not be empty")
+        return self
+
+
+# --------------------------------------------------------------------------------------------
+# Loading, coercion and saving
+
+
+def _sections(cfg: Config) -> dict[str, Any]:
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+
+
+def _fields(section: Any) -> dict[str, dataclasses.Field]:
+    hints = typing.get_type_hints(type(section))
+    out = {}
+    for f in dataclasses.fields(section):
+        f.type = hints[f.name]
+        out[f.name] = f
+    return out
+
+
+def valid_keys() -> list[str]:
+    cfg = Config()
+    return [f"{s}.{k}" for s, sec in _sections(cfg).items() for k in _fields(sec)]
+
+
+def _describe(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(str(a) for a in get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in get_args(tp) if a is not type(None)]
+        return " or ".join(_describe(a) for a in inner) + " or auto"
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
+
+
+def _coerce(key: str, tp: Any, value: Any) -> Any:
+    """Convert a YAML value to the field's type or raise ConfigError naming the key and choices."""
+    origin = get_origin(tp)
+    bad = ConfigError(f"{key}={value!r} is not valid: expected {_describe(tp)}")
+    if origin in (typing.Union, types.UnionType):
+        if value is None or value == "auto":
+            return None
+        inner = [a for a in get_args(tp) if a is not type(None)]
+        return _coerce(key, inner[0], value)
+    if origin is Literal:
+        choices = get_args(tp)
+        if value not in choices:
+            raise bad
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise bad
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad
+        return float(value)
+    if tp is str:
+        if value is None or isinstance(value, (dict, list)):
+            raise bad
+        return str(value)
+    raise bad  # pragma: no cover - every field type is handled above
+
+
+def _unknown(key: str, choices: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(key, choices, n=1)
+    hint = f"; did you mean {close[0]}?" if close else f"; valid keys: {', '.join(choices)}"
+    return ConfigError(f"unknown config key {key!r}{hint}")
+
+
+def _apply(cfg: Config, key: str, value: Any) -> None:
+    section_name, _, name = key.partition(".")
+    sections = _sections(cfg)
+    if section_name not in sections or not name:
+        if section_name in sections:
+            raise ConfigError(f"config key {key!r} names a section; set one of its keys, e.g. {key}.{next(iter(_fields(sections[section_name])))}=...")
+        raise _unknown(key, valid_keys())
+    section = sections[section_name]
+    fields = _fields(section)
+    if name not in fields:
+        raise _unknown(key, [f"{section_name}.{k}" for k in fields])
+    setattr(section, name, _coerce(key, fields[name].type, value))
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), base: Config | None = None) -> Config:
+    """Defaults (or ``base``), then the YAML file at ``path``, then ``key=value`` overrides; validated."""
+    cfg = base if base is not None else Config()
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist; pass --config with a path such as configs/default.yaml")
+        try:
+            tree = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            line = getattr(getattr(e, "problem_mark", None), "line", None)
+            where = f" at line {line + 1}" if line is not None else ""
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML{where}; fix the file") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections (model:, data:, ...)")
+        for key, value in _flatten(tree).items():
+            _apply(cfg, key, value)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} must look like key=value, e.g. train.epochs=5")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        _apply(cfg, key.strip(), value)
+    return cfg.validate()
+
+
+def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(tree: dict) -> Config:
+    """Rebuild a Config from to_dict()'s output (e.g. the copy stored in a checkpoint)."""
+    cfg = Config()
+    for key, value in _flatten(tree).items():
+        _apply(cfg, key, value)
+    return cfg
+
+
+def to_yaml(cfg: Config) -> str:
+    """The resolved config as YAML; ``auto`` stands for None, as it is written in files."""
+    tree = {s: {k: ("auto" if v is None else v) for k, v in sec.items()} for s, sec in to_dict(cfg).items()}
+    return yaml.safe_dump(tree, sort_keys=False)
+
+
+def explain() -> str:
+    """Every key with its type, default and docstring (the attribute docstrings above)."""
+    tree = ast.parse(inspect.getsource(inspect.getmodule(Config)))
+    docs: dict[tuple[str, str], str] = {}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            body = node.body
+            for a, b in zip(body, body[1:]):
+                if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
+                    docs[(node.name, a.target.id)] = " ".join(str(b.value.value).split())
+    lines = []
+    for section_name, section in _sections(Config()).items():
+        for name, f in _fields(section).items():
+            default = getattr(section, name)
+            doc = docs.get((type(section).__name__, name), "")
+            shown = "auto" if default is None else default
+            lines.append(f"{section_name}.{name} = {shown!r}  ({_describe(f.type)})\n    {doc}")
+    return "\n".join(lines)

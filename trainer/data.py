@@ -1,0 +1,231 @@
+"""Data sets as uint8 tensors: CIFAR-10, image folders (or their .tar.gz) and a synthetic set.
+
+Each data set is decoded once into a uint8 cache ([N, 3, 32, 32] images, int64 labels) so that
+later runs, and the other processes of this one, read a single file. One process per machine does
+the download or decode while the others wait on a file lock: no concurrent-download race, and no
+process group is needed for it. trainer/loader.py turns these tensors into batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import io
+import os
+import tarfile
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from trainer.config import Config, ConfigError
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
+CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR_STD = (0.2470, 0.2435, 0.2616)
+
+
+@dataclass
+class Split:
+    images: torch.Tensor
+    """uint8 [N, 3, 32, 32]."""
+    labels: torch.Tensor
+    """int64 [N]."""
+    classes: list[str]
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def subset(self, n: int, seed: int) -> Split:
+        if n <= 0 or n >= len(self):
+            return self
+        idx = torch.randperm(len(self), generator=torch.Generator().manual_seed(seed))[:n].sort().values
+        return Split(self.images[idx].contiguous(), self.labels[idx].contiguous(), self.classes)
+
+
+def _writable(path: Path) -> bool:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(path, os.W_OK)
+
+
+@contextlib.contextmanager
+def machine_lock(folder: Path, name: str):
+    """An exclusive lock shared by every process of this machine that uses ``folder``."""
+    if _writable(folder):
+        lock_path = folder / f".{name}.lock"
+    else:  # read-only data volume: lock in the temp folder, keyed by the folder's path
+        key = hashlib.sha1(str(folder.resolve()).encode()).hexdigest()[:12]
+        lock_path = Path(tempfile.gettempdir()) / f"trainer-{name}-{key}.lock"
+    with open(lock_path, "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _save_atomic(obj: dict, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _cached(cfg: Config, key: str, build) -> tuple[Split, Split]:
+    """Load ``key`` from the cache, or build it (under the machine lock) and cache it."""
+    candidates = [Path(cfg.data.cache_dir)] if cfg.data.cache_dir else [Path(cfg.data.dir), Path(cfg.checkpoint.dir) / ".data-cache"]
+    folder = next((c for c in candidates if _writable(c)), None)
+    if folder is None:
+        warnings.warn(f"no writable cache folder among {[str(c) for c in candidates]}; decoding without a cache", stacklevel=2)
+        return build()
+    path = folder / f"{key}.uint8.pt"
+    with machine_lock(folder, "cache"):
+        if not path.exists():
+            train, test = build()
+            _save_atomic({"train_x": train.images, "train_y": train.labels, "test_x": test.images,
+                          "test_y": test.labels, "classes": train.classes}, path)
+            return train, test
+    blob = torch.load(path, weights_only=True)
+    classes = list(blob["classes"])
+    return Split(blob["train_x"], blob["train_y"], classes), Split(blob["test_x"], blob["test_y"], classes)
+
+
+# --------------------------------------------------------------------------------------------
+# cifar10
+
+
+def _cifar10(cfg: Config) -> tuple[Split, Split]:
+    import torchvision
+
+    root = Path(cfg.data.dir)
+
+    def build() -> tuple[Split, Split]:
+        splits = []
+        with machine_lock(root if _writable(root) else Path(tempfile.gettempdir()), "download"):
+            for train in (True, False):
+                try:
+                    ds = torchvision.datasets.CIFAR10(str(root), train=train, download=cfg.data.download and _writable(root))
+                except Exception as e:  # noqa: BLE001 - offline, read-only, checksum failure...
+                    reason = " ".join(str(e).split())[:120]
+                    raise ConfigError(
+                        f"CIFAR-10 is not in {root} and could not be downloaded ({reason}); put cifar-10-python.tar.gz "
+                        f"there, or use data.name=imagefolder data.dir=PATH (e.g. ../shared/data)"
+                    ) from None
+                x = torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous()
+                splits.append(Split(x, torch.tensor(ds.targets, dtype=torch.int64), list(ds.classes)))
+        return splits[0], splits[1]
+
+    return _cached(cfg, "cifar10", build)
+
+
+# --------------------------------------------------------------------------------------------
+# imagefolder
+
+
+def _find_source(root: Path, split: str) -> Path:
+    folder = root / split
+    if folder.is_dir():
+        return folder
+    tars = sorted(p for p in root.glob(f"*{split}*.tar.gz")) + sorted(root.glob(f"*{split}*.tgz"))
+    if tars:
+        return tars[0]
+    raise ConfigError(
+        f"data.dir={root} has no {split}/ folder of class folders and no *{split}*.tar.gz; "
+        f"point data.dir at a folder holding train/ and test/ (e.g. ../shared/data)"
+    )
+
+
+def _members(source: Path):
+    """Yield (class name, file name, bytes) for every image under ``source``."""
+    if source.is_dir():
+        for cls_dir in sorted(p for p in source.iterdir() if p.is_dir()):
+            for f in sorted(cls_dir.iterdir()):
+                if f.suffix.lower() in IMAGE_SUFFIXES:
+                    yield cls_dir.name, str(f), f.read_bytes()
+        return
+    with tarfile.open(source, "r:*") as tar:
+        for m in tar:
+            parts = Path(m.name).parts
+            if m.isfile() and len(parts) >= 2 and Path(m.name).suffix.lower() in IMAGE_SUFFIXES:
+                fh = tar.extractfile(m)
+                if fh is not None:
+                    yield parts[-2], f"{source}:{m.name}", fh.read()
+
+
+def _decode_folder(source: Path) -> tuple[torch.Tensor, list[str], list[str]]:
+    from PIL import Image, UnidentifiedImageError
+
+    images, names, bad = [], [], []
+    for cls, name, raw in _members(source):
+        try:
+            with Image.open(io.BytesIO(raw)) as im:
+                im = im.convert("RGB")
+                if im.size != (32, 32):
+                    im = im.resize((32, 32), Image.BILINEAR)
+                images.append(torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8).view(32, 32, 3))
+                names.append(cls)
+        except (UnidentifiedImageError, OSError, SyntaxError, ValueError):
+            bad.append(name)
+    if bad:
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        warnings.warn(f"skipped {len(bad)} unreadable image(s): {', '.join(bad[:3])}{more}", stacklevel=2)
+    if not images:
+        raise ConfigError(f"{source} holds no class folders with images ({', '.join(IMAGE_SUFFIXES)}); expected {source}/<class>/<image>")
+    return torch.stack(images).permute(0, 3, 1, 2).contiguous(), names, bad
+
+
+def _imagefolder(cfg: Config) -> tuple[Split, Split]:
+    root = Path(cfg.data.dir)
+    if not root.is_dir():
+        raise ConfigError(f"data.dir={root} does not exist; create it or point data.dir at the data set")
+    sources = [_find_source(root, s) for s in ("train", "test")]
+    stamp = "|".join(f"{s.resolve()}:{s.stat().st_mtime_ns}:{s.stat().st_size}" for s in sources)
+    key = "imagefolder-" + hashlib.sha1(stamp.encode()).hexdigest()[:16]
+
+    def build() -> tuple[Split, Split]:
+        decoded = [_decode_folder(s) for s in sources]
+        classes = sorted(set(decoded[0][1]))
+        if sorted(set(decoded[1][1])) != classes:
+            raise ConfigError(f"train and test of {root} have different class folders; give both the same classes")
+        index = {c: i for i, c in enumerate(classes)}
+        return tuple(Split(x, torch.tensor([index[n] for n in names]), classes) for x, names, _ in decoded)
+
+    return _cached(cfg, key, build)
+
+
+# --------------------------------------------------------------------------------------------
+# synthetic
+
+
+def synthetic(n_train: int, n_test: int, seed: int = 1234) -> tuple[Split, Split]:
+    """A learnable CIFAR-shaped set: each class is a smooth colour pattern, shifted and noised."""
+    g = torch.Generator().manual_seed(seed)
+    templates = torch.nn.functional.interpolate(torch.rand(10, 3, 4, 4, generator=g), size=40, mode="bilinear", align_corners=False)
+
+    def make(n: int) -> Split:
+        y = torch.randint(0, 10, (n,), generator=g)
+        dx, dy = torch.randint(0, 9, (2, n), generator=g)
+        rows = (dy[:, None] + torch.arange(32))[:, None, :, None]
+        cols = (dx[:, None] + torch.arange(32))[:, None, None, :]
+        x = templates[y[:, None, None, None], torch.arange(3)[None, :, None, None], rows, cols]
+        x = x * 0.7 + 0.3 * torch.rand(n, 3, 32, 32, generator=g)
+        return Split((x * 255).round().clamp(0, 255).to(torch.uint8), y, [f"class{i}" for i in range(10)])
+
+    return make(n_train), make(n_test)
+
+
+def load(cfg: Config) -> tuple[Split, Split]:
+    """The train and test splits named by ``cfg.data``, subset as asked."""
+    name = cfg.data.name
+    if name == "synthetic":
+        train, test = synthetic(cfg.data.synthetic_train_size, cfg.data.synthetic_test_size)
+    elif name == "cifar10":
+        train, test = _cifar10(cfg)
+    else:
+        train, test = _imagefolder(cfg)
+    return train.subset(cfg.data.train_subset, seed=1), test.subset(cfg.data.test_subset, seed=2)

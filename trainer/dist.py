@@ -1,0 +1,173 @@
+"""The process's place in the job: strategy, rank, local rank, world size and device.
+
+Everything comes from the environment that torchrun (or the Kubeflow operator, or Slurm through
+torchrun) sets: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT. The same
+code runs as one process with no launcher at all (strategy cpu, single or dp), so there is one
+code path from a laptop to many nodes.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trainer.config import Config, ConfigError
+
+DIST_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class Runtime:
+    strategy: str
+    """Resolved strategy: cpu, single, dp, ddp or fsdp."""
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+    backend: str | None
+    """Collective backend when a process group exists, else None."""
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.backend is not None
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def per_rank_batch(self, global_batch: int) -> int:
+        return global_batch // self.world_size
+
+
+def launched_by_torchrun() -> bool:
+    return all(k in os.environ for k in DIST_ENV)
+
+
+def resolve(cfg: Config) -> Runtime:
+    """Decide strategy, rank and device from the config and the environment (no side effects).
+
+    Raises ConfigError for combinations that cannot work, naming the fix.
+    """
+    strategy = cfg.train.strategy
+    has_cuda = torch.cuda.is_available()
+    in_group = launched_by_torchrun()
+    if strategy == "auto":
+        strategy = "ddp" if in_group else ("single" if has_cuda else "cpu")
+    if strategy in ("single", "dp") and not has_cuda:
+        raise ConfigError(
+            f"train.strategy={strategy} needs a CUDA GPU and none is visible; use train.strategy=cpu (or auto)"
+        )
+    if strategy in ("cpu", "single", "dp"):
+        if in_group and int(os.environ["WORLD_SIZE"]) > 1:
+            raise ConfigError(
+                f"train.strategy={strategy} runs one process but torchrun started {os.environ['WORLD_SIZE']}; "
+                "use train.strategy=ddp (or auto) under torchrun"
+            )
+        if cfg.dist.backend == "nccl":
+            raise ConfigError(f"dist.backend=nccl needs train.strategy=ddp or fsdp under torchrun, not {strategy}")
+        device = torch.device("cpu") if strategy == "cpu" else torch.device("cuda", 0)
+        return Runtime(strategy, 0, 0, 1, 1, device, None)
+
+    # ddp / fsdp
+    if not in_group:
+        raise ConfigError(
+            f"train.strategy={strategy} needs the environment torchrun sets; launch with "
+            f"`torchrun --nproc-per-node N -m trainer train ...` (or use train.strategy=auto)"
+        )
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    want = cfg.train.device
+    if want == "cuda" and not has_cuda:
+        raise ConfigError("train.device=cuda but no CUDA GPU is visible; use train.device=cpu (or auto)")
+    use_cuda = has_cuda if want == "auto" else want == "cuda"
+    if use_cuda:
+        if local_rank >= torch.cuda.device_count():
+            raise ConfigError(
+                f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPU(s) are visible; "
+                f"start at most {torch.cuda.device_count()} processes per node (--nproc-per-node)"
+            )
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    backend = cfg.dist.backend
+    if backend == "auto":
+        backend = "nccl" if use_cuda else "gloo"
+    if backend == "nccl" and not use_cuda:
+        raise ConfigError("dist.backend=nccl needs CUDA GPUs and this process runs on the CPU; use dist.backend=gloo (or auto)")
+    return Runtime(strategy, rank, local_rank, world, local_world, device, backend)
+
+
+def check_batch(cfg: Config, rt: Runtime) -> None:
+    b, w = cfg.train.batch_size, rt.world_size
+    if b < w:
+        raise ConfigError(f"train.batch_size={b} is smaller than the world size {w}; use at least {w}")
+    if b % w:
+        raise ConfigError(f"train.batch_size={b} is not a multiple of the world size {w}; use {b - b % w} or {b + w - b % w}")
+
+
+def setup(cfg: Config) -> Runtime:
+    """Resolve, then bind the GPU and join the process group (with the collective timeout)."""
+    rt = resolve(cfg)
+    check_batch(cfg, rt)
+    if rt.cuda:
+        torch.cuda.set_device(rt.device)
+    if rt.distributed and not dist.is_initialized():
+        kwargs: dict[str, Any] = {}
+        if rt.backend == "nccl":
+            kwargs["device_id"] = rt.device  # eager init: NCCL communicators bind to this GPU now
+        dist.init_process_group(rt.backend, timeout=timedelta(seconds=cfg.dist.timeout_s), **kwargs)
+    return rt
+
+
+def teardown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier(rt: Runtime) -> None:
+    if rt.distributed:
+        if rt.backend == "nccl":
+            dist.barrier(device_ids=[rt.device.index])
+        else:
+            dist.barrier()
+
+
+def broadcast(rt: Runtime, obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank (pickled through the store; small objects only)."""
+    if not rt.distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, device=rt.device if rt.backend == "nccl" else None)
+    return box[0]
+
+
+def all_reduce_sum(rt: Runtime, t: torch.Tensor) -> torch.Tensor:
+    if rt.distributed:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def agree(rt: Runtime, error: BaseException | None) -> None:
+    """Raise on every rank if any rank failed (the first rank's message), else return."""
+    if not rt.distributed:
+        if error is not None:
+            raise error
+        return
+    gathered: list = [None] * rt.world_size
+    dist.all_gather_object(gathered, None if error is None else str(error))
+    first = next((m for m in gathered if m is not None), None)
+    if first is not None:
+        if error is not None and str(error) == first:
+            raise error
+        raise ConfigError(first)

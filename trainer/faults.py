@@ -1,0 +1,96 @@
+"""Stopping on signals, exit codes, and the crash points the fault-injection tests use.
+
+Preemption reaches a worker as SIGTERM (Kubernetes eviction, ``docker stop``, ``scancel``, and
+torchrun forwarding any of SIGTERM/SIGINT/SIGHUP/SIGQUIT) or as SIGUSR1 (Slurm's warning before the
+time limit, forwarded by slurm/ddp.sh). The handler only raises a flag. At every step boundary the
+ranks agree on the flags with one tiny all-reduce, so every rank stops after the *same* step and
+rank 0 saves a checkpoint of exactly that step. On CUDA the all-reduce result is read ``lag``
+steps later, when it has long finished, so the agreement never makes the host wait for the GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections import deque
+
+import torch
+import torch.distributed as dist
+
+from trainer.dist import Runtime
+
+EXIT_USAGE = 2
+"""Bad config, bad input or a checkpoint that cannot be used: nothing was changed."""
+EXIT_PREEMPTED = 75
+"""Stopped by a signal after saving a checkpoint of the last finished step (EX_TEMPFAIL): run the
+same command again to resume. Non-zero, so restartPolicy OnFailure and torchrun restart it."""
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
+
+
+def crash_point(name: str) -> None:
+    """Die with SIGKILL here if TRAINER_CRASH_AT names this point (tests only).
+
+    Only on the first attempt (torchrun's TORCHELASTIC_RESTART_COUNT=0) and, when
+    TRAINER_CRASH_RANK is set, only on that rank: a restarted group then runs through.
+    """
+    if os.environ.get("TRAINER_CRASH_AT") != name:
+        return
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    if os.environ.get("TRAINER_CRASH_RANK", os.environ.get("RANK", "0")) != os.environ.get("RANK", "0"):
+        return
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class StopFlag:
+    """Signal flag plus a collective agreement on the step at which all ranks stop."""
+
+    def __init__(self, rt: Runtime, lag: int = 2):
+        self.rt, self.signal_name = rt, None
+        self.lag = lag if rt.cuda and rt.distributed else 0
+        self._pending: deque = deque()
+        self._previous = {}
+        for sig in STOP_SIGNALS:
+            try:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+            except ValueError:  # not the main thread (e.g. inside a test harness thread)
+                pass
+        if rt.distributed:
+            self._flag = torch.zeros(1, dtype=torch.int32, device=rt.device)
+        if self.lag:  # a ring of pinned results and their events, reused every lag+1 steps
+            self._ring = [(torch.zeros(1, dtype=torch.int32, pin_memory=True), torch.cuda.Event()) for _ in range(lag + 1)]
+            self._next = 0
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.signal_name is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C stops at once
+        self.signal_name = signal.Signals(signum).name
+
+    @property
+    def raised(self) -> bool:
+        return self.signal_name is not None
+
+    def poll(self) -> bool:
+        """Call once per step on every rank: True on all ranks at the same step once any rank
+        has been signalled."""
+        if not self.rt.distributed:
+            return self.raised
+        self._flag.fill_(1 if self.raised else 0)
+        dist.all_reduce(self._flag, op=dist.ReduceOp.MAX)
+        if self.lag == 0:
+            return bool(self._flag.item())
+        host, done = self._ring[self._next]
+        self._next = (self._next + 1) % len(self._ring)
+        host.copy_(self._flag, non_blocking=True)
+        done.record()
+        self._pending.append((host, done))
+        if len(self._pending) <= self.lag:
+            return False
+        host, done = self._pending.popleft()
+        done.synchronize()  # finished `lag` steps ago: no real wait
+        return bool(host.item())
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)

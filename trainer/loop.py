@@ -1,0 +1,211 @@
+"""The training loop: ``Trainer.fit()`` over ``train_epoch()``, ``train_step()``, ``evaluate()`` and
+``save()``. Everything around it (config, process group, data, checkpoints) is built by
+trainer/setup.py and handed in as a :class:`Run`."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from trainer import checkpoint, parallel
+from trainer.config import Config, to_dict, to_yaml
+from trainer.data import Split
+from trainer.dist import Runtime, all_reduce_sum, barrier
+from trainer.faults import EXIT_PREEMPTED
+from trainer.loader import Augment, test_batches
+from trainer.metrics import StepTimer, plot_curves
+from trainer.setup import Run
+
+
+@torch.no_grad()
+def predict(model: torch.nn.Module, x: torch.Tensor, tta: str) -> torch.Tensor:
+    """Logits, averaged over the mirror (tta=flip) and one-pixel shifts (flip_translate)."""
+
+    def mirrored(v):
+        out = model(v)
+        return out if tta == "none" else 0.5 * (out + model(v.flip(3)))
+
+    logits = mirrored(x)
+    if tta == "flip_translate":
+        padded = F.pad(x, (1, 1, 1, 1), mode="reflect")
+        logits = 0.5 * logits + 0.25 * (mirrored(padded[:, :, :-2, :-2]) + mirrored(padded[:, :, 2:, 2:]))
+    return logits
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, split: Split, cfg: Config, rt: Runtime, augment: Augment, bf16: bool) -> tuple[float, float]:
+    """(test loss, test accuracy). Each rank takes a contiguous shard and every rank runs the same
+    number of batches (sharded models gather weights collectively), so every test image is counted
+    exactly once whatever the world size."""
+    model.eval()
+    sums = torch.zeros(3, device=rt.device, dtype=torch.float64)
+    for x, y in test_batches(split, rt, cfg.data.eval_batch_size):
+        with torch.autocast(rt.device.type, dtype=torch.bfloat16, enabled=bf16):
+            logits = predict(model, augment.normalize(x), cfg.train.tta).float()
+        sums[0] += F.cross_entropy(logits, y, reduction="sum").double()
+        sums[1] += (logits.argmax(1) == y).sum()
+        sums[2] += len(y)
+    loss, correct, n = all_reduce_sum(rt, sums).tolist()
+    return loss / n, correct / n
+
+
+class Trainer:
+    def __init__(self, run: Run):
+        self.r = run
+        self.cfg, self.rt, self.state = run.cfg, run.rt, run.state
+        self.timer = StepTimer(self.rt.cuda)
+        self.last_saved = self.state.step if run.resumed_from else -1
+        self.first_step_s: float | None = None
+
+    def fit(self) -> int:
+        """Train to the end (exit code 0), or until a signal (a checkpoint, then EXIT_PREEMPTED)."""
+        self.start()
+        while self.state.epoch < self.cfg.train.epochs and not self.done_steps():
+            if self.train_epoch(self.state.epoch):
+                self.save(sync=True)
+                self.r.say.line(f"stopped by {self.r.stop.signal_name} at step {self.state.step}; checkpoint saved, exit {EXIT_PREEMPTED}")
+                return EXIT_PREEMPTED
+            self.end_epoch()
+        self.finish()
+        return 0
+
+    # ----------------------------------------------------------------------------------------
+    def start(self) -> None:
+        r = self.r
+        if self.rt.is_main:
+            (r.root / "config.yaml").write_text(to_yaml(self.cfg))
+        where = f"resuming from {r.resumed_from} (epoch {self.state.epoch}, step {self.state.step})" if r.resumed_from else "starting fresh"
+        r.say.line(
+            f"{self.cfg.model.name} | strategy {self.rt.strategy} x{self.rt.world_size} on {self.rt.device.type} | "
+            f"{len(r.train_split)} train / {len(r.test_split)} test images | {r.fast} | {where}"
+        )
+        r.log.write({"event": "start", "strategy": self.rt.strategy, "world_size": self.rt.world_size, "step": self.state.step,
+                     "resumed_from": str(r.resumed_from) if r.resumed_from else None, "fast": str(r.fast)})
+
+    def done_steps(self) -> bool:
+        return 0 < self.cfg.train.max_steps <= self.state.step
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        r = self.r
+        with torch.autocast(self.rt.device.type, dtype=torch.bfloat16, enabled=r.fast.bf16):
+            loss = r.criterion(r.net(x), y)
+        loss.backward()
+        r.optimizer.step()
+        r.optimizer.zero_grad(set_to_none=True)
+        r.schedule.step()
+        if r.lookahead is not None:
+            r.lookahead.step(self.state.step + 1, r.total_steps)
+        return loss.detach()
+
+    def train_epoch(self, epoch: int) -> bool:
+        """One epoch from ``state.epoch_step``; True when every rank agreed to stop on a signal."""
+        r, cfg, st = self.r, self.cfg, self.state
+        r.net.train()
+        self.timer.reset()
+        loss_sum, window_loss = torch.zeros((), device=self.rt.device), torch.zeros((), device=self.rt.device)
+        steps = window = 0
+        window_start = t_epoch = time.perf_counter()
+        batches = r.loader.epoch(epoch, st.epoch_step)
+        while True:
+            d0 = self.timer.mark()
+            batch = next(batches, None)
+            if batch is None:
+                break
+            x = r.augment.train(batch[0], epoch, st.epoch_step)
+            d1 = self.timer.mark()
+            loss = self.train_step(x, batch[1])
+            self.timer.add(d0, d1, self.timer.mark())
+            st.step += 1
+            st.epoch_step += 1
+            steps += 1
+            window += 1
+            loss_sum += loss
+            window_loss += loss
+            if self.first_step_s is None:
+                _ = loss.item()  # one-time sync: time to first step includes compilation
+                self.first_step_s = time.perf_counter() - r.started_at
+                r.log.write({"event": "first_step", "seconds": round(self.first_step_s, 3)})
+            if st.step % cfg.train.log_every == 0:
+                value = (window_loss / window).item()  # CPU-GPU sync point, once per log_every steps
+                now = time.perf_counter()
+                ips = window * cfg.train.batch_size / (now - window_start)
+                r.say.step(epoch, cfg.train.epochs, st.epoch_step, r.steps_per_epoch, value, ips)
+                r.log.write({"event": "log", "epoch": epoch, "step": st.step, "loss": round(value, 5),
+                             "images_per_s": round(ips, 1), "window_steps": window})
+                window_loss.zero_()
+                window, window_start = 0, now
+            if r.stop.poll():
+                return True
+            if cfg.checkpoint.every_steps and st.step % cfg.checkpoint.every_steps == 0:
+                self.save()
+            if self.done_steps():
+                break
+        if self.rt.cuda:
+            torch.cuda.synchronize()  # once per epoch, for an honest epoch time
+        seconds = time.perf_counter() - t_epoch
+        data_ms, step_ms = self.timer.read_ms()
+        mean_loss = all_reduce_sum(self.rt, torch.stack([loss_sum, torch.tensor(float(steps), device=self.rt.device)]))
+        self.epoch_stats = {
+            "train_loss": round((mean_loss[0] / mean_loss[1].clamp(min=1)).item(), 5),
+            "train_seconds": round(seconds, 3), "steps": steps,
+            "images_per_s": round(steps * cfg.train.batch_size / seconds, 1) if steps else None,
+            "data_ms_per_step": round(data_ms / steps, 4) if steps else None,
+            "step_ms_per_step": round(step_ms / steps, 4) if steps else None,
+        }
+        return False
+
+    def end_epoch(self) -> None:
+        cfg, st, epoch = self.cfg, self.state, self.state.epoch
+        last = epoch + 1 == cfg.train.epochs or self.done_steps()
+        test_loss = test_acc = None
+        if last or (epoch + 1) % cfg.train.eval_every == 0:
+            test_loss, test_acc = evaluate(self.r.eval_model, self.r.test_split, self.cfg, self.rt, self.r.augment, self.r.fast.bf16)
+        if not self.done_steps() or st.epoch_step >= self.r.steps_per_epoch:
+            st.epoch, st.epoch_step = epoch + 1, 0
+        record = {"event": "epoch", "epoch": epoch + 1, "step": st.step, **self.epoch_stats,
+                  "test_loss": None if test_loss is None else round(test_loss, 5), "test_acc": None if test_acc is None else round(test_acc, 5)}
+        self.r.log.write(record)
+        acc = "" if test_acc is None else f" | test acc {100 * test_acc:.2f}%"
+        ips = self.epoch_stats["images_per_s"] or 0
+        self.r.say.line(f"epoch {epoch + 1}/{cfg.train.epochs} | train loss {self.epoch_stats['train_loss']:.4f}{acc} | {ips:,.0f} img/s | {self.epoch_stats['train_seconds']:.1f}s")
+        every = cfg.checkpoint.every_epochs
+        if not last and every and (epoch + 1) % every == 0:
+            self.save()
+
+    def save(self, sync: bool = False) -> None:
+        """Rank 0 writes step-N; with async saves only the copy to pinned memory stalls training."""
+        r, st = self.r, self.state
+        if self.last_saved == st.step:
+            return
+        model_state = parallel.model_state(r.model, self.rt)  # collective under fsdp
+        optim_state = parallel.optimizer_state(r.model, r.optimizer, self.rt)
+        if self.rt.is_main:
+            state = {"format": checkpoint.FORMAT, "model_name": self.cfg.model.name, "model": model_state,
+                     "optimizer": optim_state, "scheduler": r.schedule.state_dict(),
+                     "lookahead": r.lookahead.state_dict() if r.lookahead else None,
+                     "epoch": st.epoch, "epoch_step": st.epoch_step, "step": st.step, "world_size": self.rt.world_size,
+                     "rng": {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if self.rt.cuda else []},
+                     "config": to_dict(self.cfg)}
+            t0 = time.perf_counter()
+            if r.writer is not None and not sync:
+                r.writer.save(state, r.root, st.step, self.cfg.checkpoint.keep)
+            else:
+                if r.writer is not None:
+                    r.writer.wait()
+                checkpoint.write(state, r.root, st.step, self.cfg.checkpoint.keep)
+            stall = time.perf_counter() - t0
+            r.log.write({"event": "checkpoint", "step": st.step, "stall_s": round(stall, 4), "async": r.writer is not None and not sync})
+        if sync or r.writer is None:
+            barrier(self.rt)  # the others wait until the checkpoint is on disk
+        self.last_saved = st.step
+
+    def finish(self) -> None:
+        self.save(sync=True)
+        if self.r.writer is not None:
+            self.r.writer.wait()
+        barrier(self.rt)
+        if self.cfg.train.plot and plot_curves(self.r.log, self.r.root / "curves.png"):
+            self.r.say.line(f"wrote {self.r.root / 'curves.png'}")
+        self.r.say.line(f"done: step {self.state.step}, checkpoints in {self.r.root}")

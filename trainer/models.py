@@ -1,0 +1,129 @@
+"""The model registry: ``build(name)`` returns a freshly initialised network for 32x32 RGB images."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+REGISTRY: dict[str, Callable[[int], nn.Module]] = {}
+
+
+def register(name: str):
+    def wrap(fn):
+        REGISTRY[name] = fn
+        return fn
+
+    return wrap
+
+
+def build(name: str, num_classes: int = 10) -> nn.Module:
+    return REGISTRY[name](num_classes)
+
+
+@register("seednet")
+def seednet(num_classes: int = 10) -> nn.Module:
+    """The article's network, layer for layer: no activations, about 604 M parameters (1.3 G of them
+    in the first Linear), 21.35 G multiply-adds per image."""
+    return nn.Sequential(
+        nn.Sequential(
+            nn.Conv2d(3, 32, 5, 1, 2), nn.Conv2d(32, 64, 5, 1, 2), nn.Conv2d(64, 512, 5, 1, 2), nn.MaxPool2d(2),
+            nn.Conv2d(512, 1024, 5, 1, 2), nn.MaxPool2d(2),
+            nn.Conv2d(1024, 2048, 5, 1, 2), nn.Conv2d(2048, 4096, 5, 1, 2), nn.MaxPool2d(2),
+        ),
+        nn.Sequential(nn.Flatten(), nn.Linear(4096 * 4 * 4, 5000), nn.Linear(5000, 64), nn.Linear(64, num_classes)),
+    )
+
+
+@register("resnet18")
+def resnet18(num_classes: int = 10) -> nn.Module:
+    """torchvision's ResNet-18 with the CIFAR stem: a 3x3 stride-1 first conv and no max-pool, so
+    32x32 images keep their resolution into the first stage."""
+    import torchvision
+
+    net = torchvision.models.resnet18(num_classes=num_classes)
+    net.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+    net.maxpool = nn.Identity()
+    return net
+
+
+@register("tinynet")
+def tinynet(num_classes: int = 10) -> nn.Module:
+    """A small CNN without batch norm, so that data-parallel runs equal single-process runs (tests)."""
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(2),
+        nn.Flatten(), nn.Linear(128, num_classes),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# airnet: the speed recipe's network. Published techniques (Page's DAWNBench ResNet, tysam-code's
+# hlb-cifar10, Jordan's airbench): a frozen 2x2 whitening conv initialised from the data, three
+# conv-pool-BN-GELU blocks with identity-initialised convs, BN with frozen scale, and a scaled,
+# bias-free linear head.
+
+
+class _Conv(nn.Conv2d):
+    def __init__(self, cin: int, cout: int):
+        super().__init__(cin, cout, kernel_size=3, padding=1, bias=False)
+        with torch.no_grad():
+            nn.init.dirac_(self.weight[: min(cin, cout)])  # start near the identity on cin channels
+
+
+class _Norm(nn.BatchNorm2d):
+    def __init__(self, ch: int):
+        super().__init__(ch, eps=1e-12, momentum=0.4)
+        self.weight.requires_grad_(False)  # scale stays 1: only the shift learns
+
+
+class _Block(nn.Sequential):
+    def __init__(self, cin: int, cout: int):
+        super().__init__(_Conv(cin, cout), nn.MaxPool2d(2), _Norm(cout), nn.GELU(), _Conv(cout, cout), _Norm(cout), nn.GELU())
+
+
+class AirNet(nn.Module):
+    def __init__(self, num_classes: int = 10, widths: tuple[int, int, int] = (64, 256, 256), scale: float = 1 / 9):
+        super().__init__()
+        self.whiten = nn.Conv2d(3, 24, kernel_size=2, padding=0, bias=True)
+        self.whiten.weight.requires_grad_(False)
+        self.blocks = nn.Sequential(_Block(24, widths[0]), _Block(widths[0], widths[1]), _Block(widths[1], widths[2]))
+        self.head = nn.Linear(widths[2], num_classes, bias=False)
+        self.scale = scale
+
+    @torch.no_grad()
+    def init_from_data(self, images: torch.Tensor, eps: float = 5e-4) -> None:
+        """Whitening filters: eigenvectors of the 2x2 patch covariance of normalised ``images``,
+        scaled by 1/sqrt(eigenvalue), each with its negation (24 channels)."""
+        x = images.float()
+        patches = F.unfold(x, kernel_size=2).transpose(1, 2).reshape(-1, 12).double()
+        patches = patches - patches.mean(0)
+        cov = patches.T @ patches / len(patches)
+        vals, vecs = torch.linalg.eigh(cov)
+        filt = (vecs.T / torch.sqrt(vals + eps)[:, None]).float().reshape(12, 3, 2, 2)
+        self.whiten.weight.copy_(torch.cat([filt, -filt]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.blocks(self.whiten(x))
+        x = F.adaptive_max_pool2d(x, 1).flatten(1)
+        return self.head(x) * self.scale
+
+
+@register("airnet")
+def airnet(num_classes: int = 10) -> nn.Module:
+    return AirNet(num_classes)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain module under DataParallel, DistributedDataParallel and torch.compile wrappers, so
+    that saved keys never start with ``module.`` or ``_orig_mod.``."""
+    while True:
+        if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+            model = model.module
+        elif hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        else:
+            return model

@@ -1,0 +1,97 @@
+"""Wrapping the model for its strategy, and moving state in and out of the wrapped model.
+
+Order matters and is the same for every strategy: build the model, load the checkpoint's weights
+into the plain module, *then* wrap it (DataParallel, DistributedDataParallel or fully_shard) and
+compile, then build the optimizer and load its state. Saved state is always the plain module's
+(no ``module.`` or ``_orig_mod.`` prefix) and the optimizer's state keyed by parameter name, so a
+checkpoint written by any strategy on any world size resumes under any other.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from trainer.config import Config
+from trainer.dist import Runtime
+from trainer.models import unwrap
+
+
+def wrap(model: nn.Module, cfg: Config, rt: Runtime, compile_model: bool, bf16: bool) -> nn.Module:
+    """The module that training calls; ``model`` itself stays usable for evaluation."""
+    if rt.strategy == "dp":
+        # DataParallel copies the module to every GPU on every forward, from one process: the GIL
+        # and the copies are why the article found it slow. Kept for comparison; never compiled.
+        return nn.DataParallel(model)
+    if rt.strategy == "fsdp":
+        _shard(model, cfg, bf16)
+        return torch.compile(model, mode=cfg.model.compile_mode) if compile_model else model
+    if rt.strategy == "ddp":
+        d = cfg.dist
+        net = nn.parallel.DistributedDataParallel(
+            model, device_ids=[rt.device.index] if rt.cuda else None, bucket_cap_mb=d.bucket_mb,
+            gradient_as_bucket_view=d.gradient_as_bucket_view, static_graph=d.static_graph,
+        )
+        if d.comm_hook != "none":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            hook = default_hooks.bf16_compress_hook if d.comm_hook == "bf16" else default_hooks.fp16_compress_hook
+            net.register_comm_hook(None, hook)
+        # Compile *around* DDP: dynamo then splits the graph at bucket boundaries so gradients are
+        # all-reduced while backward still runs. Compiling inside DDP would make the whole
+        # backward one graph, and every gradient would arrive (and be sent) only at its end.
+        return torch.compile(net, mode=cfg.model.compile_mode) if compile_model else net
+    return torch.compile(model, mode=cfg.model.compile_mode) if compile_model else model
+
+
+def _shard(model: nn.Module, cfg: Config, bf16: bool) -> None:
+    """fully_shard every large layer, then the root: each rank keeps 1/W of the weights, gradients
+    and optimizer state; weights are gathered (in bf16 when autocast is on) just before use."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16 if bf16 else None,
+        reduce_dtype=torch.bfloat16 if cfg.dist.reduce_dtype == "bf16" else torch.float32,
+    )
+    for m in model.modules():
+        if isinstance(m, (nn.Conv2d, nn.Linear)) and m.weight.numel() >= 1_000_000:
+            # Keep gathered weights through backward: no second all-gather (costs 1/W of the layer).
+            fully_shard(m, mp_policy=policy, reshard_after_forward=False)
+    fully_shard(model, mp_policy=policy, reshard_after_forward=False)
+
+
+def model_state(model: nn.Module, rt: Runtime) -> dict:
+    """Full, unprefixed state dict (for fsdp a collective: every rank must call; rank 0 gets it)."""
+    if rt.strategy == "fsdp":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(unwrap(model), options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return unwrap(model).state_dict()
+
+
+def _names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """Parameter names in the optimizer's own order (its state is keyed by that position)."""
+    name_of = {id(p): n for n, p in unwrap(model).named_parameters()}
+    return [name_of[id(p)] for g in optimizer.param_groups for p in g["params"]]
+
+
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, rt: Runtime) -> dict:
+    """Optimizer state keyed by parameter name (fsdp: a collective, full state on rank 0)."""
+    if rt.strategy == "fsdp":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        return get_optimizer_state_dict(unwrap(model), optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    sd, names = optimizer.state_dict(), _names(model, optimizer)
+    groups = [{**g, "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]]
+    return {"state": {names[i]: v for i, v in sd["state"].items()}, "param_groups": groups}
+
+
+def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict, rt: Runtime) -> None:
+    if rt.strategy == "fsdp":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(unwrap(model), optimizer, state, options=StateDictOptions(full_state_dict=True))
+        return
+    index = {n: i for i, n in enumerate(_names(model, optimizer))}
+    groups = [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]]
+    optimizer.load_state_dict({"state": {index[n]: v for n, v in state["state"].items()}, "param_groups": groups})
