@@ -72,9 +72,10 @@ class DataConfig:
     """How the random crop fills the border: zero padding or a mirror of the image."""
     flip: bool = True
     """Random horizontal flips for training."""
-    device_resident: bool | None = None
-    """Keep the whole uint8 data set on the GPU and index it there (auto: on for CUDA). Off: a
-    DataLoader with DistributedSampler and pinned memory feeds each step."""
+    device_resident: bool = True
+    """Keep the whole uint8 data set in device memory (the GPU's, or the CPU's) and gather each
+    batch there: no per-step host work. Off: a DataLoader with DistributedSampler, workers and
+    pinned memory feeds each step (the same batches; for data that does not fit)."""
     num_workers: int = 2
     """DataLoader workers when data.device_resident is off."""
     eval_batch_size: int = 1000

@@ -147,17 +147,17 @@ def make_train_loader(cfg: Config, rt: Runtime, split: Split, device_resident: b
     return HostLoader(split, rt, b, cfg.train.seed, cfg.data.num_workers)
 
 
-def test_shard(n: int, rt: Runtime) -> range:
+def eval_shard(n: int, rt: Runtime) -> range:
     """Contiguous test shard of this rank: every test image is counted exactly once in all."""
     per, extra = divmod(n, rt.world_size)
     start = rt.rank * per + min(rt.rank, extra)
     return range(start, start + per + (1 if rt.rank < extra else 0))
 
 
-def test_batches(split: Split, rt: Runtime, batch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def eval_batches(split: Split, rt: Runtime, batch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's test shard in batches; every rank yields the same number of batches (the last
     ones may be empty) so that collectives inside a sharded model's forward stay in step."""
-    shard = test_shard(len(split), rt)
+    shard = eval_shard(len(split), rt)
     longest = -(-len(split) // rt.world_size)
     for k in range(-(-longest // batch)):
         i = min(shard.start + k * batch, shard.stop)

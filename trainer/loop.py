@@ -14,7 +14,7 @@ from trainer.config import Config, to_dict, to_yaml
 from trainer.data import Split
 from trainer.dist import Runtime, all_reduce_sum, barrier
 from trainer.faults import EXIT_PREEMPTED
-from trainer.loader import Augment, test_batches
+from trainer.loader import Augment, eval_batches
 from trainer.metrics import StepTimer, plot_curves
 from trainer.setup import Run
 
@@ -41,7 +41,7 @@ def evaluate(model: torch.nn.Module, split: Split, cfg: Config, rt: Runtime, aug
     exactly once whatever the world size."""
     model.eval()
     sums = torch.zeros(3, device=rt.device, dtype=torch.float64)
-    for x, y in test_batches(split, rt, cfg.data.eval_batch_size):
+    for x, y in eval_batches(split, rt, cfg.data.eval_batch_size):
         with torch.autocast(rt.device.type, dtype=torch.bfloat16, enabled=bf16):
             logits = predict(model, augment.normalize(x), cfg.train.tta).float()
         sums[0] += F.cross_entropy(logits, y, reduction="sum").double()
@@ -83,6 +83,28 @@ class Trainer:
         )
         r.log.write({"event": "start", "strategy": self.rt.strategy, "world_size": self.rt.world_size, "step": self.state.step,
                      "resumed_from": str(r.resumed_from) if r.resumed_from else None, "fast": str(r.fast)})
+        if r.fast.compile:
+            self.warm_up()
+
+    def warm_up(self) -> None:
+        """Compile before the clock starts: one forward and backward on a real batch, then the
+        weights, buffers (batch-norm statistics) and gradients are put back as they were."""
+        r = self.r
+        saved = {k: v.detach().clone() for k, v in r.model.state_dict().items()}
+        b = self.rt.per_rank_batch(self.cfg.train.batch_size)
+        x = r.augment.normalize(r.train_split.images[:b].to(self.rt.device))
+        y = r.train_split.labels[:b].to(self.rt.device)
+        r.net.train()
+        with torch.autocast(self.rt.device.type, dtype=torch.bfloat16, enabled=r.fast.bf16):
+            loss = r.criterion(r.net(x), y)
+        loss.backward()
+        _ = loss.item()
+        r.optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for k, v in r.model.state_dict().items():
+                v.copy_(saved[k])
+        self.first_step_s = time.perf_counter() - r.started_at
+        r.log.write({"event": "first_step", "seconds": round(self.first_step_s, 3), "compiled": True})
 
     def done_steps(self) -> bool:
         return 0 < self.cfg.train.max_steps <= self.state.step

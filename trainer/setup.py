@@ -53,7 +53,7 @@ class Fast:
             bf16=cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and rt.cuda),
             channels_last=auto(cfg.model.channels_last),
             compile=compile_model,
-            device_resident=auto(cfg.data.device_resident),
+            device_resident=cfg.data.device_resident,
             async_save=auto(cfg.checkpoint.async_save),
         )
 

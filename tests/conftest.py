@@ -1,0 +1,81 @@
+"""Shared helpers: real processes (python -m trainer, real torchrun), tiny synthetic data, never a
+download. Every multi-process test runs on the CPU with gloo."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = ROOT.parent / "shared" / "data"
+
+# A seconds-long run: no batch norm (so data-parallel equals one process), synthetic data.
+TINY = [
+    "model.name=tinynet", "data.name=synthetic", "data.synthetic_train_size=512", "data.synthetic_test_size=200",
+    "train.batch_size=32", "train.log_every=4", "optim.lr=0.05", "optim.weight_decay=0", "train.plot=false",
+    "train.deterministic=true",
+]
+
+
+def env(**extra: str) -> dict[str, str]:
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "TORCHELASTIC", "TRAINER_"))}
+    e.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""})
+    e.update(extra)
+    return e
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def trainer_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "trainer", *args]
+
+
+def torchrun_cmd(nproc: int, *args: str, max_restarts: int = 0, extra: tuple[str, ...] = ()) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={nproc}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--max-restarts={max_restarts}",
+            "--monitor-interval=0.5", *extra, "-m", "trainer", *args]
+
+
+def run(cmd: list[str], timeout: float = 300, check: bool = True, **kw) -> subprocess.CompletedProcess:
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=kw.pop("env", env()), cwd=kw.pop("cwd", ROOT), **kw)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {p.returncode}\n--- stdout\n{p.stdout[-3000:]}\n--- stderr\n{p.stderr[-5000:]}")
+    return p
+
+
+def train(ckpt: Path, *overrides: str, nproc: int = 1, **kw) -> subprocess.CompletedProcess:
+    args = ("train", *TINY, f"checkpoint.dir={ckpt}", *overrides)
+    return run(torchrun_cmd(nproc, *args) if nproc > 1 else trainer_cmd(*args), **kw)
+
+
+def newest(ckpt: Path) -> Path:
+    steps = sorted((int(p.name.split("-")[1]), p) for p in ckpt.glob("step-*") if p.name.split("-")[1].isdigit())
+    assert steps, f"no checkpoint in {ckpt}: {list(ckpt.iterdir()) if ckpt.exists() else 'missing'}"
+    return steps[-1][1]
+
+
+def weights(folder: Path) -> dict[str, torch.Tensor]:
+    return torch.load(folder / "state.pt", weights_only=True)["model"]
+
+
+def tree_files(folder: Path) -> dict[str, tuple[int, int]]:
+    """Every file under ``folder`` with its size and mtime: 'nothing changed' checks."""
+    if not folder.exists():
+        return {}
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.fixture
+def ckpt(tmp_path: Path) -> Path:
+    return tmp_path / "ckpt"
+

@@ -1,0 +1,133 @@
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT, env
+
+from trainer import checkpoint
+from trainer.checkpoint import AsyncWriter, CheckpointError
+
+
+def state(step: int) -> dict:
+    torch.manual_seed(step)
+    return {"format": checkpoint.FORMAT, "model_name": "tinynet", "model": {"w": torch.randn(64, 64)}, "step": step, "epoch": 0}
+
+
+def test_write_is_complete_verified_and_keeps_the_last_k(tmp_path):
+    for step in (10, 20, 30, 40):
+        checkpoint.write(state(step), tmp_path, step, keep=2)
+    assert [s for s, _ in checkpoint.complete(tmp_path)] == [30, 40]
+    meta = checkpoint.verify(tmp_path / "step-40")
+    assert meta["step"] == 40 and meta["bytes"] == (tmp_path / "step-40" / "state.pt").stat().st_size
+    assert torch.equal(checkpoint.load(tmp_path / "step-40")["model"]["w"], state(40)["model"]["w"])
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "no-state"])
+def test_damaged_newest_is_reported_set_aside_and_the_previous_used(tmp_path, damage):
+    for step in (1, 2):
+        checkpoint.write(state(step), tmp_path, step, keep=3)
+    f = tmp_path / "step-2" / "state.pt"
+    if damage == "truncate":
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    elif damage == "flip":
+        raw = bytearray(f.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        f.write_bytes(bytes(raw))
+    else:
+        f.unlink()
+    said = []
+    assert checkpoint.newest_good(tmp_path, log=said.append) == tmp_path / "step-1"
+    assert len(said) == 1 and "step-2" in said[0]
+    assert (tmp_path / "step-2.corrupt").is_dir() and not (tmp_path / "step-2").exists()
+    with pytest.raises(CheckpointError):
+        checkpoint.verify(tmp_path / "step-2.corrupt")
+
+
+def test_keep_last_k_never_deletes_the_only_good_checkpoint(tmp_path):
+    checkpoint.write(state(1), tmp_path, 1, keep=1)
+    checkpoint.write(state(2), tmp_path, 2, keep=1)
+    assert [p.name for _, p in checkpoint.complete(tmp_path)] == ["step-2"]
+    # a rewound run writing a step again keeps the older copy aside instead of replacing it
+    checkpoint.write(state(3), tmp_path, 2, keep=1)
+    assert list(tmp_path.glob("step-2.replaced-*"))
+
+
+def test_crash_between_write_and_rename_leaves_the_old_checkpoint(tmp_path):
+    checkpoint.write(state(1), tmp_path, 1, keep=3)
+    code = (
+        "import sys, torch; from trainer import checkpoint; from pathlib import Path\n"
+        "checkpoint.write({'format': 1, 'model': {'w': torch.ones(1000)}}, Path(sys.argv[1]), 2, 3)\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env(TRAINER_CRASH_AT="before-rename"), cwd=ROOT)
+    assert p.returncode == -signal.SIGKILL
+    assert list(tmp_path.glob(".tmp-step-2-*")), "the half-done save is still there, under its temporary name"
+    assert checkpoint.newest_good(tmp_path) == tmp_path / "step-1"
+    checkpoint.clean_temporaries(tmp_path)
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_files_that_are_not_checkpoints_are_refused(tmp_path):
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(os.urandom(1000))
+    with pytest.raises(CheckpointError, match="not a loadable trainer checkpoint"):
+        checkpoint.load(junk)
+    plain = tmp_path / "myModule_0.pth"  # what the article saved: a bare state_dict
+    torch.save({"0.weight": torch.ones(2)}, plain)
+    with pytest.raises(CheckpointError, match="not a trainer checkpoint"):
+        checkpoint.load(plain)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        checkpoint.load(tmp_path / "step-9")
+
+
+class Exploit:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_pickle_that_would_run_code_is_refused(tmp_path):
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "evil.pt"
+    torch.save({"format": 1, "model": {}, "payload": Exploit(marker)}, evil, pickle_module=pickle)
+    with pytest.raises(CheckpointError, match="not a loadable trainer checkpoint"):
+        checkpoint.load(evil)
+    assert not marker.exists()
+    # and inside a step folder with a matching checksum it is still refused
+    folder = tmp_path / "step-5"
+    folder.mkdir()
+    evil.rename(folder / "state.pt")
+    (folder / "meta.json").write_text(json.dumps({"bytes": (folder / "state.pt").stat().st_size, "sha256": checkpoint._sha256(folder / "state.pt")}))
+    with pytest.raises(CheckpointError):
+        checkpoint.load(folder)
+    assert not marker.exists()
+
+
+def test_write_probe_finds_unwritable_and_full_volumes(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(CheckpointError, match="is not writable"):
+        checkpoint.probe(blocker / "ck", 10)
+    with pytest.raises(CheckpointError, match="GB free but one checkpoint needs"):
+        checkpoint.probe(tmp_path / "ck", 10**18)
+    checkpoint.probe(tmp_path / "ck", 10)
+    assert list((tmp_path / "ck").iterdir()) == []
+
+
+def test_async_writer_writes_the_same_checkpoint(tmp_path):
+    w = AsyncWriter()
+    s = state(7)
+    w.save(s, tmp_path / "a", 7, keep=2)
+    s["model"]["w"].zero_()  # training goes on: the snapshot must not see this
+    w.wait()
+    checkpoint.write(state(7), tmp_path / "b", 7, keep=2)
+    assert torch.equal(checkpoint.load(tmp_path / "a" / "step-7")["model"]["w"], checkpoint.load(tmp_path / "b" / "step-7")["model"]["w"])

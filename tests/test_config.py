@@ -1,0 +1,121 @@
+from __future__ import annotations
+
+import os
+
+import pytest
+import yaml
+from conftest import ROOT, run, trainer_cmd, tree_files
+
+from trainer.cli import strip_local_rank
+from trainer.config import Config, ConfigError, explain, from_dict, load_config, to_dict, to_yaml, valid_keys
+
+
+def test_default_yaml_mirrors_the_code_defaults():
+    assert to_dict(load_config(ROOT / "configs" / "default.yaml")) == to_dict(Config())
+
+
+@pytest.mark.parametrize("name", ["default", "seed", "smoke", "fast"])
+def test_shipped_configs_load_and_open_with_a_launch_command(name):
+    path = ROOT / "configs" / f"{name}.yaml"
+    load_config(path)
+    head = path.read_text().splitlines()[:6]
+    assert any("trainer" in line and line.startswith("#") for line in head)
+
+
+def test_seed_config_is_the_articles_setup():
+    cfg = load_config(ROOT / "configs" / "seed.yaml")
+    assert (cfg.model.name, cfg.train.batch_size, cfg.optim.name, cfg.optim.lr, cfg.train.epochs) == ("seednet", 64, "sgd", 0.01, 10)
+    assert cfg.optim.momentum == 0 and cfg.optim.schedule == "constant"
+
+
+def test_precedence_cli_over_file_over_defaults(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("train:\n  epochs: 7\n  batch_size: 128\n")
+    cfg = load_config(f, ["train.epochs=9"])
+    assert cfg.train.epochs == 9  # CLI beats file
+    assert cfg.train.batch_size == 128  # file beats default
+    assert cfg.optim.lr == Config().optim.lr  # default
+
+
+def test_auto_and_types_are_coerced():
+    cfg = load_config(None, ["model.compile=auto", "optim.lr=1", "data.device_resident=false", "checkpoint.resume=/x/step-3"])
+    assert cfg.model.compile is None and cfg.optim.lr == 1.0 and isinstance(cfg.optim.lr, float)
+    assert cfg.data.device_resident is False and cfg.checkpoint.resume == "/x/step-3"
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("train.bath_size=3", ["train.bath_size", "did you mean train.batch_size"]),
+        ("trian.epochs=3", ["trian.epochs", "train.epochs"]),
+        ("train.epochs=three", ["train.epochs", "an integer"]),
+        ("train.epochs=2.5", ["train.epochs", "an integer"]),
+        ("train.deterministic=maybe", ["train.deterministic", "true or false"]),
+        ("train.strategy=fast", ["train.strategy", "auto, cpu, single, dp, ddp, fsdp"]),
+        ("model.name=vgg", ["model.name", "resnet18, seednet"]),
+        ("train.batch_size=0", ["train.batch_size=0", "greater than 0"]),
+        ("optim.lr=-0.1", ["optim.lr", "greater than 0"]),
+        ("optim.weight_decay=-1", ["optim.weight_decay", "not be negative"]),
+        ("optim.momentum=1.5", ["optim.momentum", "below 1"]),
+        ("train", ["train", "key=value"]),
+        ("train=3", ["names a section", "train."]),
+    ],
+)
+def test_bad_values_name_the_key(override, words):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    msg = str(e.value)
+    assert "\n" not in msg
+    for w in words:
+        assert w in msg
+
+
+def test_bad_file(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("train:\n  epochs: [1\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(f)
+    f.write_text("train:\n  epoch: 3\n")
+    with pytest.raises(ConfigError, match="did you mean train.epochs"):
+        load_config(f)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_round_trip_through_dict_and_yaml():
+    cfg = load_config(None, ["train.epochs=3", "model.compile=true", "data.cache_dir=/tmp/c"])
+    assert to_dict(from_dict(to_dict(cfg))) == to_dict(cfg)
+    assert to_dict(from_dict(yaml.safe_load(to_yaml(cfg)))) == to_dict(cfg)
+
+
+def test_explain_documents_every_key():
+    text = explain()
+    for key in valid_keys():
+        assert key in text
+    assert "Global batch" in text  # a field docstring made it through
+
+
+def test_legacy_local_rank_argument_is_accepted(monkeypatch):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert strip_local_rank(["--local_rank=1", "train", "x=1"]) == ["train", "x=1"]
+    assert os.environ["LOCAL_RANK"] == "1"
+    monkeypatch.delenv("LOCAL_RANK")
+    assert strip_local_rank(["train", "--local-rank", "3"]) == ["train"]
+    assert os.environ["LOCAL_RANK"] == "3"
+
+
+@pytest.mark.parametrize("override", ["train.batch_size=0", "train.bath_size=3", "optim.lr=-1", "model.name=vgg"])
+def test_cli_exits_2_with_one_line_and_writes_nothing(tmp_path, override):
+    ck = tmp_path / "ck"
+    p = run(trainer_cmd("train", f"checkpoint.dir={ck}", override), check=False)
+    assert p.returncode == 2
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and override.split("=")[0] in lines[0]
+    assert "Traceback" not in p.stderr
+    assert tree_files(ck) == {}
+
+
+def test_config_command_prints_the_resolved_config():
+    p = run(trainer_cmd("config", "--config", "configs/smoke.yaml", "train.epochs=5"))
+    tree = yaml.safe_load(p.stdout)
+    assert tree["train"]["epochs"] == 5 and tree["model"]["name"] == "tinynet"

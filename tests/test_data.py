@@ -1,0 +1,108 @@
+from __future__ import annotations
+
+import multiprocessing as mp
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run, trainer_cmd
+from PIL import Image
+
+from trainer import data
+from trainer.config import ConfigError, load_config
+
+COLOURS = {"blue": (20, 40, 220), "green": (30, 200, 40), "red": (220, 30, 30)}
+
+
+def make_folder(root: Path, per_class: int = 4, size: int = 32) -> Path:
+    for split in ("train", "test"):
+        for name, rgb in COLOURS.items():
+            d = root / split / name
+            d.mkdir(parents=True, exist_ok=True)
+            for i in range(per_class):
+                Image.new("RGB", (size, size), rgb).save(d / f"{i}.png" if i % 2 else d / f"{i}.jpg")
+    return root
+
+
+def cfg_for(root: Path, tmp: Path, *extra: str):
+    return load_config(None, ["data.name=imagefolder", f"data.dir={root}", f"checkpoint.dir={tmp / 'ck'}", *extra])
+
+
+def test_synthetic_set_is_cifar_shaped_and_deterministic():
+    train, test = data.synthetic(100, 20)
+    assert train.images.shape == (100, 3, 32, 32) and train.images.dtype == torch.uint8
+    assert test.labels.shape == (20,) and set(train.labels.tolist()) <= set(range(10))
+    assert torch.equal(data.synthetic(100, 20)[0].images, train.images)
+
+
+def test_imagefolder_reads_class_folders_with_labels_in_sorted_order(tmp_path):
+    root = make_folder(tmp_path / "d")
+    train, test = data.load(cfg_for(root, tmp_path))
+    assert train.classes == ["blue", "green", "red"] and len(train) == 12 and len(test) == 12
+    for img, label in zip(train.images, train.labels):
+        mean = img.float().mean(dim=(1, 2))
+        assert int(mean.argmax()) == {"blue": 2, "green": 1, "red": 0}[train.classes[label]]
+
+
+def test_imagefolder_reads_tarballs_and_resizes(tmp_path):
+    src = make_folder(tmp_path / "src", size=40)
+    root = tmp_path / "tars"
+    root.mkdir()
+    for split in ("train", "test"):
+        with tarfile.open(root / f"set-{split}.tar.gz", "w:gz") as tar:
+            tar.add(src / split, arcname=split)
+    train, _ = data.load(cfg_for(root, tmp_path))
+    assert train.images.shape == (12, 3, 32, 32) and train.classes == ["blue", "green", "red"]
+    assert list(root.glob("*.uint8.pt")), "decoded once into a cache beside the data"
+
+
+def test_corrupt_images_are_skipped_with_a_warning(tmp_path):
+    root = make_folder(tmp_path / "d")
+    (root / "train" / "red" / "broken.jpg").write_bytes(b"\xff\xd8not a jpeg")
+    with pytest.warns(UserWarning, match="skipped 1 unreadable image.*broken.jpg"):
+        train, _ = data.load(cfg_for(root, tmp_path))
+    assert len(train) == 12
+
+
+def test_missing_or_empty_data_folders_are_usage_errors(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        data.load(cfg_for(tmp_path / "nowhere", tmp_path))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="no train/ folder"):
+        data.load(cfg_for(tmp_path / "empty", tmp_path))
+    (tmp_path / "flat" / "train").mkdir(parents=True)
+    (tmp_path / "flat" / "test").mkdir()
+    with pytest.raises(ConfigError, match="no class folders"):
+        data.load(cfg_for(tmp_path / "flat", tmp_path))
+
+
+def test_absent_cifar10_that_cannot_be_fetched_names_the_fix(tmp_path):
+    cfg = load_config(None, [f"data.dir={tmp_path / 'c'}", "data.download=false", f"checkpoint.dir={tmp_path / 'ck'}"])
+    with pytest.raises(ConfigError, match="CIFAR-10 is not in .* data.name=imagefolder"):
+        data.load(cfg)
+
+
+def _load_in_child(root: str, tmp: str, out) -> None:
+    train, _ = data.load(cfg_for(Path(root), Path(tmp)))
+    out.put(int(train.images.sum()))
+
+
+def test_concurrent_processes_share_one_decode(tmp_path):
+    root = make_folder(tmp_path / "d", per_class=30)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_load_in_child, args=(str(root), str(tmp_path), q)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    assert len({q.get() for _ in procs}) == 1
+    assert len(list(root.glob("*.uint8.pt"))) == 1 and not list(root.glob(".*.tmp"))
+
+
+def test_data_command_prepares_the_cache(tmp_path):
+    root = make_folder(tmp_path / "d")
+    p = run(trainer_cmd("data", "data.name=imagefolder", f"data.dir={root}", f"checkpoint.dir={tmp_path / 'ck'}"))
+    assert "12 train and 12 test images" in p.stdout

@@ -1,0 +1,106 @@
+from __future__ import annotations
+
+import json
+import os
+import pty
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT, SHARED_DATA, TINY, env, newest, run, train, trainer_cmd, tree_files, weights
+
+CONSTANT = ("optim.schedule=constant", "optim.momentum=0.9")
+
+
+def test_two_epochs_equal_one_then_a_resumed_one_bit_for_bit(tmp_path):
+    train(tmp_path / "straight", "train.epochs=2", *CONSTANT)
+    train(tmp_path / "split", "train.epochs=1", *CONSTANT)
+    p = train(tmp_path / "split", "train.epochs=2", *CONSTANT)
+    assert "resuming from" in p.stdout and "step-16" in p.stdout
+    a, b = weights(newest(tmp_path / "straight")), weights(newest(tmp_path / "split"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_resume_on_another_world_size_is_close(tmp_path):
+    train(tmp_path / "straight", "train.epochs=2", *CONSTANT)
+    train(tmp_path / "split", "train.epochs=1", *CONSTANT)
+    p = train(tmp_path / "split", "train.epochs=2", *CONSTANT, nproc=2)
+    assert "strategy ddp x2" in p.stdout and "resuming from" in p.stdout
+    a, b = weights(newest(tmp_path / "straight")), weights(newest(tmp_path / "split"))
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-3, atol=1e-4)
+
+
+def test_run_folder_holds_config_metrics_curves_and_checkpoints(ckpt):
+    train(ckpt, "train.epochs=2", "train.plot=true", "checkpoint.keep=1")
+    assert sorted(p.name for p in ckpt.iterdir()) == ["config.yaml", "curves.png", "metrics.jsonl", "step-32"]
+    assert (ckpt / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = [json.loads(line) for line in (ckpt / "metrics.jsonl").read_text().splitlines()]
+    epochs = [r for r in rows if r["event"] == "epoch"]
+    assert [r["epoch"] for r in epochs] == [1, 2]
+    assert all(r["train_loss"] > 0 and 0 <= r["test_acc"] <= 1 and r["images_per_s"] > 0 for r in epochs)
+    state = torch.load(ckpt / "step-32" / "state.pt", weights_only=True)
+    assert {"model", "optimizer", "scheduler", "epoch", "step", "epoch_step", "rng", "config"} <= set(state)
+    assert state["config"]["train"]["epochs"] == 2 and state["step"] == 32 and state["epoch"] == 2
+
+
+def test_eval_command_reproduces_the_final_accuracy(ckpt):
+    train(ckpt, "train.epochs=1")
+    final = [r for r in map(json.loads, (ckpt / "metrics.jsonl").read_text().splitlines()) if r["event"] == "epoch"][-1]
+    p = run(trainer_cmd("eval", str(ckpt / "step-16")))
+    assert f"test accuracy {100 * final['test_acc']:.2f}%" in p.stdout and "(200 images)" in p.stdout
+
+
+def test_plain_log_lines_when_not_a_terminal_and_a_bar_on_one(ckpt):
+    plain = train(ckpt / "a", "train.epochs=1")
+    assert "epoch 1/1 step 4/16 loss" in plain.stdout and "\r" not in plain.stdout
+    leader, follower = pty.openpty()
+    p = subprocess.Popen(trainer_cmd("train", *TINY, f"checkpoint.dir={ckpt / 'b'}", "train.epochs=1"), stdout=follower,
+                         stderr=subprocess.DEVNULL, cwd=ROOT, env=env())
+    os.close(follower)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:
+            break
+        if not chunk:
+            break
+        out += chunk
+    assert p.wait(120) == 0
+    assert b"\r[" in out and b"img/s" in out
+
+
+def test_resume_errors_change_nothing(ckpt):
+    train(ckpt, "train.epochs=1")
+    before = tree_files(ckpt)
+    for override, words in [
+        ("checkpoint.resume=never", "already holds checkpoints"),
+        (f"checkpoint.resume={ckpt / 'step-999'}", "does not exist"),
+        ("model.name=resnet18", "holds model 'tinynet' but model.name=resnet18"),
+    ]:
+        p = run(trainer_cmd("train", *TINY, f"checkpoint.dir={ckpt}", "train.epochs=2", override), check=False)
+        assert p.returncode == 2, p.stderr
+        assert words in p.stderr and "Traceback" not in p.stderr
+        assert tree_files(ckpt) == before
+
+
+@pytest.mark.slow
+def test_real_cifar10_jpegs_learn_far_above_chance(tmp_path):
+    assert SHARED_DATA.is_dir(), "../shared/data holds the CIFAR-10 JPEG copy"
+    p = run(trainer_cmd("train", "model.name=tinynet", "data.name=imagefolder", f"data.dir={SHARED_DATA}", f"data.cache_dir={tmp_path / 'cache'}",
+                        "data.train_subset=10000", "data.test_subset=2000", "train.batch_size=64", "train.epochs=3", "optim.lr=0.05",
+                        "optim.weight_decay=0", "train.log_every=100", f"checkpoint.dir={tmp_path / 'ck'}", "train.plot=false"), timeout=900)
+    final = [r for r in map(json.loads, (tmp_path / "ck" / "metrics.jsonl").read_text().splitlines()) if r["event"] == "epoch"][-1]
+    assert final["test_acc"] > 0.35, p.stdout  # chance is 0.10
+
+
+@pytest.mark.slow
+def test_launch_checks_then_runs_torchrun_with_two_cpu_processes(tmp_path):
+    p = run([sys.executable, "-m", "trainer", "launch", "--config", "configs/smoke.yaml", f"checkpoint.dir={tmp_path / 'ck'}", "train.epochs=1"])
+    assert "--nproc-per-node=2" in p.stderr and "strategy ddp x2" in p.stdout
+    assert (tmp_path / "ck" / "step-32").is_dir()
+    bad = run([sys.executable, "-m", "trainer", "launch", "train.batch_size=0"], check=False)
+    assert bad.returncode == 2 and "torchrun" not in bad.stderr
