@@ -1,0 +1,97 @@
+# shellcheck shell=bash
+# Sourced by slurm/ddp.sh and slurm/single.sh inside the batch job: runs one torchrun per node with
+# `srun`, forwards preemption to it, and requeues the job when Slurm warned of the time limit.
+#
+# Environment (all optional):
+#   CONFIG=configs/default.yaml   trainer config file (relative to the repository)
+#   RUN_NAME=<job name>           stable name of the run: checkpoints go to $CKPT_ROOT/$RUN_NAME, so a
+#                                 resubmitted or requeued job resumes (the job id would change)
+#   SHARED_DIR=$SLURM_SUBMIT_DIR  a file system every node sees; CKPT_ROOT=$SHARED_DIR/checkpoints
+#   DATA_DIR=$SHARED_DIR/data     the data set (CIFAR-10 is downloaded there once if missing)
+#   NPROC_PER_NODE=<GPUs on node> processes per node (set it for CPU-only nodes)
+#   MAX_RESTARTS=3                torchrun restarts of the whole group after a failure
+#   RDZV_PORT=29500+jobid%1000    c10d rendezvous port on the first node
+#   LOCAL_ADDR=auto               address each node advertises: auto = first of `hostname -I`;
+#                                 none = torchrun's default (its hostname, which may not resolve)
+#   VENV=$REPO/.venv              Python environment to activate, if present
+#   CONTAINER_IMAGE=...           run the step in this image with pyxis (--container-image)
+#   APPTAINER_IMAGE=...           or with Apptainer (apptainer exec --nv)
+
+set -euo pipefail
+
+REPO=${REPO:-${SLURM_SUBMIT_DIR:-$PWD}}
+CONFIG=${CONFIG:-configs/default.yaml}
+RUN_NAME=${RUN_NAME:-${SLURM_JOB_NAME:-cifar}}
+SHARED_DIR=${SHARED_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}
+CKPT_ROOT=${CKPT_ROOT:-$SHARED_DIR/checkpoints}
+DATA_DIR=${DATA_DIR:-$SHARED_DIR/data}
+NPROC_PER_NODE=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-1}}
+MAX_RESTARTS=${MAX_RESTARTS:-3}
+RDZV_PORT=${RDZV_PORT:-$((29500 + ${SLURM_JOB_ID:-0} % 1000))}
+LOCAL_ADDR=${LOCAL_ADDR:-auto}
+
+cd "$REPO"
+if [ -z "${CONTAINER_IMAGE:-}${APPTAINER_IMAGE:-}" ] && [ -f "${VENV:-$REPO/.venv}/bin/activate" ]; then
+    # shellcheck disable=SC1091
+    source "${VENV:-$REPO/.venv}/bin/activate"
+fi
+
+head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+ckpt_dir=$CKPT_ROOT/$RUN_NAME
+data_dir=$DATA_DIR
+mkdir -p "$ckpt_dir"
+
+container=()
+if [ -n "${CONTAINER_IMAGE:-}" ]; then      # pyxis: the container goes on srun, the batch script stays on the host
+    container=(--container-image="$CONTAINER_IMAGE" --container-mounts="$ckpt_dir:/checkpoints,$DATA_DIR:/data")
+    ckpt_dir=/checkpoints data_dir=/data
+fi
+
+# Each node runs this: torchrun with c10d rendezvous on the first node, the job id as rendezvous id.
+# shellcheck disable=SC2016  # expanded on each node, not here
+node_cmd='addr=()
+case "$LOCAL_ADDR" in
+  none) ;;
+  auto) addr=(--local-addr "$(hostname -I | cut -d" " -f1)") ;;
+  *) addr=(--local-addr "$LOCAL_ADDR") ;;
+esac
+if [ -n "$APPTAINER_IMAGE" ]; then
+  exec apptainer exec --nv --bind "$APPTAINER_BIND" "$APPTAINER_IMAGE" torchrun "${addr[@]}" "$@"
+fi
+exec torchrun "${addr[@]}" "$@"'
+export LOCAL_ADDR APPTAINER_IMAGE="${APPTAINER_IMAGE:-}" APPTAINER_BIND="$ckpt_dir,$DATA_DIR"
+
+if [ -z "${CONTAINER_IMAGE:-}${APPTAINER_IMAGE:-}" ]; then
+    # A usage error stops here with exit 2, before torchrun would restart it MAX_RESTARTS times.
+    python -m trainer check --config "$CONFIG" checkpoint.dir="$ckpt_dir" data.dir="$data_dir" "$@"
+fi
+
+preempted=0
+# shellcheck disable=SC2329  # called by the trap
+on_usr1() {
+    preempted=1
+    echo "slurm: time limit near (USR1); asking the job step to checkpoint and stop"
+    scancel --signal=TERM "$SLURM_JOB_ID"   # reaches torchrun in every step; it forwards to workers
+}
+trap on_usr1 USR1
+
+set +e
+srun --ntasks-per-node=1 --kill-on-bad-exit=1 "${container[@]}" bash -c "$node_cmd" torchrun \
+    --nnodes="$SLURM_NNODES" --nproc-per-node="$NPROC_PER_NODE" --max-restarts="$MAX_RESTARTS" \
+    --rdzv-backend=c10d --rdzv-endpoint="$head_node:$RDZV_PORT" --rdzv-id="$SLURM_JOB_ID" \
+    -m trainer train --config "$CONFIG" checkpoint.dir="$ckpt_dir" data.dir="$data_dir" "$@" &
+srun_pid=$!
+wait "$srun_pid"
+rc=$?
+while [ "$rc" -gt 128 ] && kill -0 "$srun_pid" 2>/dev/null; do   # a trapped signal interrupted wait
+    wait "$srun_pid"
+    rc=$?
+done
+set -e
+
+if [ "$preempted" = 1 ]; then
+    echo "slurm: requeueing job $SLURM_JOB_ID; it resumes from $ckpt_dir"
+    scontrol requeue "$SLURM_JOB_ID"
+    exit 0
+fi
+exit "$rc"

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One GPU (train.strategy=single), under torchrun for its restarts. Submit from the repository root:
+#   sbatch slurm/single.sh
+#   RUN_NAME=fast CONFIG=configs/fast.yaml sbatch slurm/single.sh data.name=imagefolder
+# Environment knobs are listed in slurm/launch.sh; preemption and requeue work as in slurm/ddp.sh.
+#SBATCH --job-name=cifar-single
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=1
+#SBATCH --cpus-per-task=8
+#SBATCH --time=04:00:00
+#SBATCH --signal=B:USR1@120
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --output=slurm-%x-%j.out
+
+export NPROC_PER_NODE=1
+set -- train.strategy=single "$@"
+# shellcheck source=slurm/launch.sh
+source "${REPO:-$SLURM_SUBMIT_DIR}/slurm/launch.sh"
