@@ -40,7 +40,7 @@ def test_imagefolder_reads_class_folders_with_labels_in_sorted_order(tmp_path):
     root = make_folder(tmp_path / "d")
     train, test = data.load(cfg_for(root, tmp_path))
     assert train.classes == ["blue", "green", "red"] and len(train) == 12 and len(test) == 12
-    for img, label in zip(train.images, train.labels):
+    for img, label in zip(train.images, train.labels, strict=True):
         mean = img.float().mean(dim=(1, 2))
         assert int(mean.argmax()) == {"blue": 2, "green": 1, "red": 0}[train.classes[label]]
 

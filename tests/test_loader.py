@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from trainer.config import load_config
 from trainer.data import synthetic
 from trainer.dist import Runtime
-from trainer.loader import Augment, DeviceLoader, HostLoader, random_crop, eval_batches, eval_shard
+from trainer.loader import Augment, DeviceLoader, HostLoader, eval_batches, eval_shard, random_crop
 
 CPU = torch.device("cpu")
 

@@ -134,8 +134,10 @@ def data(config_file, overrides):
 
 
 @main.command(context_settings={"ignore_unknown_options": True})
-@click.option("--nproc-per-node", default="auto", help="Processes on this node (auto: one per visible GPU, else 2).")
-@click.option("--max-restarts", default=3, show_default=True, help="torchrun restarts of the whole group after a failure.")
+@click.option("--nproc-per-node", default="auto", envvar="NPROC_PER_NODE", show_envvar=True,
+              help="Processes on this node (auto: one per visible GPU, else 2).")
+@click.option("--max-restarts", default=3, show_default=True, envvar="MAX_RESTARTS", show_envvar=True,
+              help="torchrun restarts of the whole group after a failure.")
 @config_options
 def launch(nproc_per_node, max_restarts, config_file, overrides):
     """Check the input, then exec torchrun -m trainer train with the same arguments."""

@@ -389,7 +389,7 @@ def explain() -> str:
     for node in tree.body:
         if isinstance(node, ast.ClassDef):
             body = node.body
-            for a, b in zip(body, body[1:]):
+            for a, b in zip(body, body[1:], strict=False):
                 if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
                     docs[(node.name, a.target.id)] = " ".join(str(b.value.value).split())
     lines = []

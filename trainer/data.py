@@ -79,12 +79,13 @@ def _save_atomic(obj: dict, path: Path) -> None:
 def _cached(cfg: Config, key: str, build) -> tuple[Split, Split]:
     """Load ``key`` from the cache, or build it (under the machine lock) and cache it."""
     candidates = [Path(cfg.data.cache_dir)] if cfg.data.cache_dir else [Path(cfg.data.dir), Path(cfg.checkpoint.dir) / ".data-cache"]
-    folder = next((c for c in candidates if _writable(c)), None)
+    ready = next((c / f"{key}.uint8.pt" for c in candidates if (c / f"{key}.uint8.pt").is_file()), None)
+    folder = ready.parent if ready else next((c for c in candidates if _writable(c)), None)
     if folder is None:
         warnings.warn(f"no writable cache folder among {[str(c) for c in candidates]}; decoding without a cache", stacklevel=2)
         return build()
     path = folder / f"{key}.uint8.pt"
-    with machine_lock(folder, "cache"):
+    with machine_lock(folder, "cache"):  # read-only folder: the lock lives in the temp folder
         if not path.exists():
             train, test = build()
             _save_atomic({"train_x": train.images, "train_y": train.labels, "test_x": test.images,

@@ -74,7 +74,7 @@ class Lookahead:
         if step % self.every:
             return
         decay = 0.95**self.every * (step / total) ** 3
-        for fast, slow in zip(self.tensors, self.slow):
+        for fast, slow in zip(self.tensors, self.slow, strict=True):
             if fast.dtype.is_floating_point:
                 slow.lerp_(fast, 1 - decay)
             else:
@@ -82,8 +82,8 @@ class Lookahead:
             fast.copy_(slow)
 
     def state_dict(self) -> dict:
-        return {n: s for n, s in zip(self.names, self.slow)}
+        return {n: s for n, s in zip(self.names, self.slow, strict=True)}
 
     def load_state_dict(self, state: dict) -> None:
-        for n, s in zip(self.names, self.slow):
+        for n, s in zip(self.names, self.slow, strict=True):
             s.copy_(state[n])

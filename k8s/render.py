@@ -1,0 +1,45 @@
+"""Set image, nodes and GPUs in a built kustomization (used by `make k8s-apply`):
+    kubectl kustomize k8s/multi-node | python k8s/render.py --image IMG --nodes 4 --gpus 8 | kubectl apply -f -
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import yaml
+
+
+def render(docs: list[dict], image: str | None, nodes: int | None, gpus: int | None) -> list[dict]:
+    for doc in docs:
+        if doc.get("kind") != "PyTorchJob":
+            continue
+        spec = doc["spec"]
+        replicas = spec["pytorchReplicaSpecs"]
+        if gpus is not None:
+            spec["nprocPerNode"] = str(gpus)
+        if nodes is not None and "Worker" in replicas:
+            replicas["Worker"]["replicas"] = nodes - 1
+        for replica in replicas.values():
+            pod = replica["template"]["spec"]
+            for c in pod.get("initContainers", []) + pod["containers"]:
+                if image:
+                    c["image"] = image
+                if gpus is not None and c["name"] == "pytorch":
+                    for part in ("limits", "requests"):
+                        c["resources"][part].update({"nvidia.com/gpu": gpus, "cpu": str(2 * gpus), "memory": f"{8 * gpus}Gi"})
+    return docs
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--image")
+    p.add_argument("--nodes", type=int)
+    p.add_argument("--gpus", type=int)
+    a = p.parse_args()
+    docs = [d for d in yaml.safe_load_all(sys.stdin) if d]
+    yaml.safe_dump_all(render(docs, a.image, a.nodes, a.gpus), sys.stdout, sort_keys=False)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,289 @@
+"""Launchers, validated for real: hadolint, shellcheck, the Compose Specification, the Kubernetes and
+Kubeflow schemas, kustomize, a simulated training operator running the PyTorchJob's own commands,
+and TorchX (a real local_cwd run and the kubernetes and slurm dry runs)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from conftest import ROOT, env, free_port, run
+
+SCHEMAS = ROOT.parent / "shared" / "schemas"
+K8S_DIRS = ["storage", "multi-node", "single-gpu"]
+TINY_JOB = ["model.name=tinynet", "data.name=synthetic", "data.synthetic_train_size=512", "data.synthetic_test_size=128",
+            "train.batch_size=32", "train.epochs=1", "train.plot=false", "train.log_every=8"]
+
+
+def bin_(name: str) -> str:
+    path = Path(sys.executable).parent / name
+    return str(path) if path.exists() else (shutil.which(name) or name)
+
+
+def crd_schema(name: str) -> dict:
+    crd = yaml.safe_load((SCHEMAS / name).read_text())
+    return next(v for v in crd["spec"]["versions"] if v.get("storage"))["schema"]["openAPIV3Schema"]
+
+
+def manifests(folder: str) -> list[dict]:
+    return [d for f in sorted((ROOT / "k8s" / folder).glob("*.yaml")) if f.name != "kustomization.yaml" for d in yaml.safe_load_all(f.read_text()) if d]
+
+
+# ------------------------------------------------------------------------------------------------
+# Docker
+
+
+def test_dockerfile_is_hadolint_clean_pinned_and_non_root():
+    p = subprocess.run([bin_("hadolint"), "Dockerfile"], cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout + p.stderr
+    text = (ROOT / "Dockerfile").read_text()
+    base = re.search(r"^FROM (\S+)", text, re.M).group(1)
+    assert re.fullmatch(r"pytorch/pytorch:\d+\.\d+\.\d+-cuda[\d.]+-cudnn\d+-runtime", base)
+    assert re.search(r"^USER [1-9]\d*:", text, re.M), "a numeric non-root user"
+    assert 'VOLUME ["/data", "/checkpoints"]' in text
+    assert re.search(r'^ENTRYPOINT \["trainer", "launch"', text, re.M)
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert {".git", ".venv", "data", "checkpoints"} <= set(ignored)
+    assert not re.search(r"(?i)(secret|token|password|api_key)\s*=", text)
+
+
+def test_compose_file_is_valid_and_asks_for_every_gpu():
+    schema = yaml.safe_load((SCHEMAS / "compose-spec.json").read_text())
+    doc = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    jsonschema.Draft7Validator(schema).validate(doc)
+    train = doc["services"]["train"]
+    device = train["deploy"]["resources"]["reservations"]["devices"][0]
+    assert device == {"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}
+    assert train.get("ipc") == "host" or train.get("shm_size")
+    assert "./data:/data:ro" in train["volumes"] and "./checkpoints:/checkpoints" in train["volumes"]
+    assert "NPROC_PER_NODE" in train["environment"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Slurm and shell
+
+
+def test_shell_scripts_are_shellcheck_clean():
+    scripts = [*map(str, (ROOT / "slurm").glob("*.sh")), *map(str, (ROOT / "tests" / "slurm").glob("*.sh")), str(ROOT / ".ci" / "run")]
+    p = subprocess.run([bin_("shellcheck"), "-x", *scripts], cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout
+
+
+def test_slurm_scripts_declare_resources_signal_and_requeue():
+    ddp = (ROOT / "slurm" / "ddp.sh").read_text()
+    for line in ["--nodes=", "--ntasks-per-node=1", "--gpus-per-node=", "--signal=B:USR1@", "--requeue"]:
+        assert f"#SBATCH {line}" in ddp
+    launch = (ROOT / "slurm" / "launch.sh").read_text()
+    assert "scontrol show hostnames" in launch and '--nnodes="$SLURM_NNODES"' in launch
+    assert "--rdzv-backend=c10d" in launch and '--rdzv-id="$SLURM_JOB_ID"' in launch and "--local-addr" in launch
+    assert "RUN_NAME" in launch and "--container-image" in launch and "scontrol requeue" in launch
+
+
+# ------------------------------------------------------------------------------------------------
+# Kubernetes
+
+
+@pytest.mark.parametrize("folder", K8S_DIRS)
+def test_every_manifest_validates(folder):
+    pytorchjob = crd_schema("kubeflow.org_pytorchjobs.yaml")
+    pod_template = yaml.safe_load((SCHEMAS / "k8s" / "podtemplatespec-v1.json").read_text())
+    pvc = yaml.safe_load((SCHEMAS / "k8s" / "persistentvolumeclaim-v1.json").read_text())
+    docs = manifests(folder)
+    assert docs
+    for doc in docs:
+        if doc["kind"] == "PyTorchJob":
+            assert doc["apiVersion"] == "kubeflow.org/v1"
+            jsonschema.Draft7Validator(pytorchjob).validate(doc)
+            for replica in doc["spec"]["pytorchReplicaSpecs"].values():
+                jsonschema.Draft7Validator(pod_template).validate(replica["template"])
+        else:
+            kubernetes_validate.validate(doc, "1.30", strict=True)
+            if doc["kind"] == "PersistentVolumeClaim":
+                jsonschema.Draft7Validator(pvc).validate(doc)
+
+
+def test_a_broken_manifest_fails_validation():
+    doc = manifests("multi-node")[0]
+    doc["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["volumeMount"] = []
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.Draft7Validator(yaml.safe_load((SCHEMAS / "k8s" / "podtemplatespec-v1.json").read_text())).validate(
+            doc["spec"]["pytorchReplicaSpecs"]["Master"]["template"])
+
+
+@pytest.mark.parametrize("folder", K8S_DIRS)
+def test_kustomize_builds(folder):
+    kubectl = shutil.which("kubectl")
+    assert kubectl, "kubectl is needed (.ci/run installs Debian's kubernetes-client when it is missing)"
+    out = subprocess.run([kubectl, "kustomize", f"k8s/{folder}"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    kinds = [d["kind"] for d in yaml.safe_load_all(out.stdout) if d]
+    assert kinds.count("PersistentVolumeClaim") == 2 and kinds.count("PyTorchJob") == (0 if folder == "storage" else 1)
+    if folder != "storage":
+        assert "ghcr.io/cluster-trainer/cluster-trainer:0.1.0" in out.stdout
+
+
+def test_pytorchjob_has_what_a_cluster_needs():
+    job = next(d for d in manifests("multi-node") if d["kind"] == "PyTorchJob")
+    specs = job["spec"]["pytorchReplicaSpecs"]
+    assert set(specs) == {"Master", "Worker"} and specs["Master"]["replicas"] == 1
+    for replica in specs.values():
+        assert replica["restartPolicy"] == "OnFailure"
+        pod = replica["template"]["spec"]
+        c = next(c for c in pod["containers"] if c["name"] == "pytorch")
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == int(job["spec"]["nprocPerNode"])
+        mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+        assert mounts["/data"].get("readOnly") is True and not mounts["/checkpoints"].get("readOnly")
+        vols = {v["name"]: v for v in pod["volumes"]}
+        assert vols[mounts["/dev/shm"]["name"]]["emptyDir"]["medium"] == "Memory"
+        assert pod["securityContext"]["runAsNonRoot"] is True
+    pvc = {d["metadata"]["name"]: d for d in manifests("storage")}
+    assert pvc["cifar-checkpoints"]["spec"]["accessModes"] == ["ReadWriteMany"]
+
+
+def test_render_sets_image_nodes_and_gpus():
+    sys.path.insert(0, str(ROOT / "k8s"))
+    from render import render
+
+    docs = render(manifests("multi-node"), "reg/img:2", nodes=4, gpus=2)
+    job = next(d for d in docs if d["kind"] == "PyTorchJob")
+    assert job["spec"]["nprocPerNode"] == "2" and job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 3
+    c = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
+    assert c["image"] == "reg/img:2" and c["resources"]["limits"]["nvidia.com/gpu"] == 2
+
+
+# ------------------------------------------------------------------------------------------------
+# The training operator, played here (facts from kubeflow/trainer v1.9 pkg/controller.v1/pytorch)
+
+DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+def admit(job: dict) -> None:
+    """The operator's admission webhook checks."""
+    assert DNS1035.match(job["metadata"]["name"]) and len(job["metadata"]["name"]) <= 63
+    specs = job["spec"]["pytorchReplicaSpecs"]
+    assert "Master" in specs and specs["Master"].get("replicas", 1) == 1
+    for replica in specs.values():
+        containers = replica["template"]["spec"]["containers"]
+        assert any(c["name"] == "pytorch" and c.get("image") for c in containers)
+
+
+def operator_env(job: dict, role: str, index: int) -> dict[str, str]:
+    specs = job["spec"]["pytorchReplicaSpecs"]
+    pods = sum(r.get("replicas", 1) for r in specs.values())
+    nproc = job["spec"].get("nprocPerNode", "1")
+    master = specs["Master"]["template"]["spec"]["containers"][0]
+    port = next((p["containerPort"] for p in master.get("ports", []) if p["name"] == "pytorchjob-port"), 23456)
+    rank = 0 if role == "Master" else index + 1
+    addr = f"{job['metadata']['name']}-master-0"
+    world = pods * int(nproc) if nproc.isdigit() else pods
+    return {"PYTHONUNBUFFERED": "1", "PET_NPROC_PER_NODE": nproc, "PET_NNODES": str(pods), "MASTER_ADDR": addr, "PET_MASTER_ADDR": addr,
+            "MASTER_PORT": str(port), "PET_MASTER_PORT": str(port), "WORLD_SIZE": str(world), "RANK": str(rank), "PET_NODE_RANK": str(rank)}
+
+
+def expand(arg: str, variables: dict[str, str]) -> str:
+    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: variables.get(m.group(1), m.group(0)), arg)
+
+
+def local_command(c: dict, variables: dict[str, str], paths: dict[str, Path], extra: list[str]) -> list[str]:
+    """The container's command and args, $(VAR)-expanded like the kubelet, with volume paths mapped."""
+    out = []
+    for a in [*c.get("command", []), *c.get("args", [])]:
+        a = expand(a, variables)
+        for mount, local in paths.items():
+            a = a.replace(f"={mount}", f"={local}")
+        out.append(a)
+    exe = {"torchrun": [sys.executable, "-m", "torch.distributed.run"], "trainer": [sys.executable, "-m", "trainer"]}[out[0]]
+    return [*exe, *out[1:], *extra]
+
+
+@pytest.mark.slow
+def test_operator_simulation_runs_the_pytorchjob_and_resumes(tmp_path):
+    job = next(d for d in manifests("multi-node") if d["kind"] == "PyTorchJob")
+    admit(job)
+    job["spec"]["nprocPerNode"] = "1"  # one CPU process per pod on this 2-core machine
+    port = free_port()
+    job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"] = port
+    paths = {"/checkpoints": tmp_path / "checkpoints", "/data": tmp_path / "data"}
+    for p in paths.values():
+        p.mkdir()
+    replicas = [(role, i) for role, spec in job["spec"]["pytorchReplicaSpecs"].items() for i in range(spec.get("replicas", 1))]
+
+    def run_pods(epochs: int) -> list[str]:
+        procs = []
+        for role, i in replicas:
+            pod = job["spec"]["pytorchReplicaSpecs"][role]["template"]["spec"]
+            variables = operator_env(job, role, i)
+            variables["MASTER_ADDR"] = variables["PET_MASTER_ADDR"] = "127.0.0.1"  # the master's service name
+            pod_env = env(**variables)
+            for init in pod.get("initContainers", []):
+                run(local_command(init, variables, paths, TINY_JOB), env=pod_env)
+            c = next(c for c in pod["containers"] if c["name"] == "pytorch")
+            cmd = local_command(c, variables, paths, [*TINY_JOB, f"train.epochs={epochs}"])
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=pod_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0] * len(procs), outs[0][-3000:]
+        return outs
+
+    outs = run_pods(1)
+    ckpt = paths["/checkpoints"] / job["metadata"]["name"]
+    assert "strategy ddp x2" in outs[0] and (ckpt / "step-16" / "state.pt").is_file()
+    outs = run_pods(2)  # a restarted job: same volumes, more epochs
+    assert "resuming from" in outs[0] and (ckpt / "step-32" / "state.pt").is_file()
+
+
+# ------------------------------------------------------------------------------------------------
+# TorchX
+
+
+def torchx(*args: str, **kw) -> subprocess.CompletedProcess:
+    return run([bin_("torchx"), *args], **kw)
+
+
+def scheduler_request(out: str) -> str:
+    return out.split("=== SCHEDULER REQUEST ===", 1)[1]
+
+
+@pytest.mark.slow
+def test_torchx_local_cwd_runs_the_ddp_component(tmp_path):
+    p = torchx("run", "--workspace", "", "-s", "local_cwd", "trainer/components.py:train_ddp", "--j", "1x2", "--config", "configs/smoke.yaml",
+               "--checkpoint_dir", str(tmp_path / "ck"), "--data_dir", str(tmp_path / "data"), "--", "train.epochs=1", "train.plot=false",
+               env=env(TORCHX_LOG_DIR=str(tmp_path / "logs")), timeout=600)
+    assert "SUCCEEDED" in p.stdout + p.stderr or (tmp_path / "ck" / "step-32").is_dir(), p.stdout + p.stderr
+    assert (tmp_path / "ck" / "step-32" / "state.pt").is_file()
+
+
+def test_torchx_kubernetes_dryrun_is_a_valid_volcano_job():
+    p = torchx("run", "--workspace", "", "--dryrun", "-s", "kubernetes", "trainer/components.py:train_ddp", "--image", "reg/cluster-trainer:1",
+               "--j", "2x8", "--gpu", "8", "--checkpoint_mount", "cifar-checkpoints", "--data_mount", "cifar-data", "--", "train.epochs=3")
+    job = yaml.safe_load(scheduler_request(p.stdout))
+    assert job["kind"] == "Job" and job["apiVersion"] == "batch.volcano.sh/v1alpha1"
+    jsonschema.Draft7Validator(crd_schema("batch.volcano.sh_jobs.yaml")).validate(job)
+    assert job["spec"]["queue"] == "default"  # from .torchxconfig
+    tasks = job["spec"]["tasks"]
+    assert len(tasks) == 2
+    for task in tasks:
+        c = task["template"]["spec"]["containers"][0]
+        assert c["image"] == "reg/cluster-trainer:1" and c["resources"]["limits"]["nvidia.com/gpu"] in (8, "8")
+        mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+        assert "/checkpoints" in mounts and mounts["/data"]["readOnly"] is True
+        claims = {v["name"]: v.get("persistentVolumeClaim", {}).get("claimName") for v in task["template"]["spec"]["volumes"]}
+        assert claims[mounts["/checkpoints"]["name"]] == "cifar-checkpoints"
+        assert "-m trainer train" in c["command"][-1] and "--max-restarts 3" in c["command"][-1]
+
+
+def test_torchx_slurm_dryrun_asks_for_the_right_resources():
+    p = torchx("run", "--workspace", "", "--dryrun", "-s", "slurm", "trainer/components.py:train_ddp", "--j", "2x4", "--gpu", "4", "--cpu", "16",
+               "--checkpoint_dir", "/shared/ckpt/cifar")
+    script = scheduler_request(p.stdout)
+    jobs = [line for line in script.splitlines() if line.startswith("#SBATCH --job-name")]
+    assert len(jobs) == 2  # one het group per node
+    for line in jobs:
+        assert "--gpus-per-task=4" in line and "--cpus-per-task=16" in line and "--ntasks-per-node=1" in line and "--partition=gpu" in line
+    assert "--nproc_per_node 4" in script and "--nnodes 2" in script and "checkpoint.dir=/shared/ckpt/cifar" in script
