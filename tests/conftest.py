@@ -25,7 +25,8 @@ TINY = [
 
 def env(**extra: str) -> dict[str, str]:
     e = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "TORCHELASTIC", "TRAINER_"))}
-    e.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""})
+    # As every launcher of ours sets it: restarts under c10d rendezvous need a fresh store (see README).
+    e.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     e.update(extra)
     return e
 
@@ -79,3 +80,22 @@ def tree_files(folder: Path) -> dict[str, tuple[int, int]]:
 def ckpt(tmp_path: Path) -> Path:
     return tmp_path / "ckpt"
 
+
+
+FAULT_RESULTS: list[tuple[str, int, int]] = []
+
+
+def record_fault(case: str, trials: int, passed: int) -> None:
+    FAULT_RESULTS.append((case, trials, passed))
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not FAULT_RESULTS:
+        return
+    width = max(len(c) for c, _, _ in FAULT_RESULTS)
+    terminalreporter.section("fault injection")
+    terminalreporter.write_line(f"{'case'.ljust(width)}  trials  passed")
+    for case, n, ok in FAULT_RESULTS:
+        terminalreporter.write_line(f"{case.ljust(width)}  {n:>6}  {ok:>6}")
+    total, passed = sum(n for _, n, _ in FAULT_RESULTS), sum(ok for _, _, ok in FAULT_RESULTS)
+    terminalreporter.write_line(f"{'total'.ljust(width)}  {total:>6}  {passed:>6}")

@@ -66,7 +66,7 @@ def test_crash_between_write_and_rename_leaves_the_old_checkpoint(tmp_path):
         "import sys, torch; from trainer import checkpoint; from pathlib import Path\n"
         "checkpoint.write({'format': 1, 'model': {'w': torch.ones(1000)}}, Path(sys.argv[1]), 2, 3)\n"
     )
-    p = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env(TRAINER_CRASH_AT="before-rename"), cwd=ROOT)
+    p = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env(TRAINER_FAULT="before-rename:kill"), cwd=ROOT)
     assert p.returncode == -signal.SIGKILL
     assert list(tmp_path.glob(".tmp-step-2-*")), "the half-done save is still there, under its temporary name"
     assert checkpoint.newest_good(tmp_path) == tmp_path / "step-1"

@@ -59,11 +59,11 @@ def test_impossible_strategies_under_torchrun(no_cuda, overrides, words):
 def test_batch_must_cover_and_divide_the_world(no_cuda):
     for k, v in DIST_ENV.items():
         no_cuda.setenv(k, v)
-    rt = resolve(load_config())
+    world = resolve(load_config()).world_size
     with pytest.raises(ConfigError, match="smaller than the world size 2"):
-        check_batch(load_config(None, ["train.batch_size=1"]), rt)
+        check_batch(load_config(None, ["train.batch_size=1"]), world)
     with pytest.raises(ConfigError, match="not a multiple of the world size 2; use 4 or 6"):
-        check_batch(load_config(None, ["train.batch_size=5"]), rt)
+        check_batch(load_config(None, ["train.batch_size=5"]), world)
 
 
 @pytest.mark.parametrize("strategy", ["single", "dp"])

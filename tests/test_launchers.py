@@ -225,6 +225,7 @@ def test_operator_simulation_runs_the_pytorchjob_and_resumes(tmp_path):
             for init in pod.get("initContainers", []):
                 run(local_command(init, variables, paths, TINY_JOB), env=pod_env)
             c = next(c for c in pod["containers"] if c["name"] == "pytorch")
+            pod_env.update({e["name"]: e["value"] for e in c.get("env", [])})
             cmd = local_command(c, variables, paths, [*TINY_JOB, f"train.epochs={epochs}"])
             procs.append(subprocess.Popen(cmd, cwd=ROOT, env=pod_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         outs = [p.communicate(timeout=300)[0] for p in procs]

@@ -174,7 +174,7 @@ def write(state: dict, root: Path, step: int, keep: int) -> Path:
             fh.flush()
             os.fsync(fh.fileno())
         _fsync_dir(tmp)
-        crash_point("before-rename")
+        crash_point("before-rename", step)
         final = root / f"step-{step}"
         if final.exists():  # a rewound run saving a step again: set the old one aside, never lose it
             final.rename(root / f"step-{step}.replaced-{time.time_ns()}")
@@ -214,6 +214,13 @@ class AsyncWriter:
         self._buffers: dict[str, torch.Tensor] = {}
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+
+    def reserve(self, state: dict) -> None:
+        """Allocate the pinned buffers for ``state`` ahead of the first save (pinning gigabytes takes
+        a second or more)."""
+        if torch.cuda.is_available():
+            _snapshot(state, self._buffers)
+            torch.cuda.current_stream().synchronize()
 
     def save(self, state: dict, root: Path, step: int, keep: int) -> None:
         self.wait()

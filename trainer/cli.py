@@ -149,9 +149,15 @@ def launch(nproc_per_node, max_restarts, config_file, overrides):
         import torch
 
         nproc_per_node = str(torch.cuda.device_count() or 2)
+    if not nproc_per_node.isdigit() or int(nproc_per_node) < 1:
+        raise ConfigError(f"--nproc-per-node={nproc_per_node} must be a positive number or auto")
+    from trainer.dist import check_batch
+
+    check_batch(cfg, int(nproc_per_node))
     torchrun = shutil.which("torchrun") or "torchrun"
     args = [torchrun, "--standalone", f"--nproc-per-node={nproc_per_node}", f"--max-restarts={max_restarts}", "-m", "trainer", "train"]
     args += (["--config", config_file] if config_file else []) + list(overrides)
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # restarts get a fresh store (README)
     click.echo(" ".join(args), err=True)
     sys.stdout.flush()
     os.execv(torchrun, args)

@@ -74,7 +74,7 @@ def train_ddp(
     mounts = _mounts(checkpoint_mount, checkpoint_dir, data_mount, data_dir, mount_type)
     app = dist.ddp(
         *args, m="trainer", image=image, name="cifar", j=j, gpu=gpu, cpu=cpu, memMB=memMB, h=h,
-        env={"PYTHONUNBUFFERED": "1", **(env or {})}, max_retries=max_retries, mounts=mounts or None,
+        env={"PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})}, max_retries=max_retries, mounts=mounts or None,
     )
     role = app.roles[0]
     role.args[-1] = role.args[-1].replace("torchrun ", f"torchrun --max-restarts {max_restarts} ", 1)

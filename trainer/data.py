@@ -131,6 +131,8 @@ def _cifar10(cfg: Config) -> tuple[Split, Split]:
 def _find_source(root: Path, split: str) -> Path:
     folder = root / split
     if folder.is_dir():
+        if not any(p.is_dir() for p in folder.iterdir()):
+            raise ConfigError(f"{folder} holds no class folders; expected {folder}/<class>/<image>")
         return folder
     tars = sorted(p for p in root.glob(f"*{split}*.tar.gz")) + sorted(root.glob(f"*{split}*.tgz"))
     if tars:

@@ -108,8 +108,8 @@ def resolve(cfg: Config) -> Runtime:
     return Runtime(strategy, rank, local_rank, world, local_world, device, backend)
 
 
-def check_batch(cfg: Config, rt: Runtime) -> None:
-    b, w = cfg.train.batch_size, rt.world_size
+def check_batch(cfg: Config, world_size: int) -> None:
+    b, w = cfg.train.batch_size, world_size
     if b < w:
         raise ConfigError(f"train.batch_size={b} is smaller than the world size {w}; use at least {w}")
     if b % w:
@@ -119,7 +119,7 @@ def check_batch(cfg: Config, rt: Runtime) -> None:
 def setup(cfg: Config) -> Runtime:
     """Resolve, then bind the GPU and join the process group (with the collective timeout)."""
     rt = resolve(cfg)
-    check_batch(cfg, rt)
+    check_batch(cfg, rt.world_size)
     if rt.cuda:
         torch.cuda.set_device(rt.device)
     if rt.distributed and not dist.is_initialized():

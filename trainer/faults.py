@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections import deque
 
 import torch
@@ -28,17 +29,27 @@ same command again to resume. Non-zero, so restartPolicy OnFailure and torchrun 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
 
 
-def crash_point(name: str) -> None:
-    """Die with SIGKILL here if TRAINER_CRASH_AT names this point (tests only).
+def crash_point(name: str, step: int | None = None) -> None:
+    """Fault injection for the tests, off unless TRAINER_FAULT names this point.
 
-    Only on the first attempt (torchrun's TORCHELASTIC_RESTART_COUNT=0) and, when
-    TRAINER_CRASH_RANK is set, only on that rank: a restarted group then runs through.
+    TRAINER_FAULT="POINT[@STEP]:ACTION" with ACTION ``kill`` (SIGKILL this process) or
+    ``sleep=SECONDS``. A kill happens only on the first attempt (torchrun's
+    TORCHELASTIC_RESTART_COUNT=0) and on rank TRAINER_FAULT_RANK (default 0), so a restarted
+    group runs through.
     """
-    if os.environ.get("TRAINER_CRASH_AT") != name:
+    spec = os.environ.get("TRAINER_FAULT")
+    if not spec:
+        return
+    where, _, action = spec.partition(":")
+    point, _, at = where.partition("@")
+    if point != name or (at and step is not None and int(at) != step):
+        return
+    if action.startswith("sleep="):
+        time.sleep(float(action.split("=", 1)[1]))
         return
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return
-    if os.environ.get("TRAINER_CRASH_RANK", os.environ.get("RANK", "0")) != os.environ.get("RANK", "0"):
+    if os.environ.get("RANK", "0") != os.environ.get("TRAINER_FAULT_RANK", "0"):
         return
     os.kill(os.getpid(), signal.SIGKILL)
 

@@ -58,6 +58,7 @@ class Trainer:
         self.timer = StepTimer(self.rt.cuda)
         self.last_saved = self.state.step if run.resumed_from else -1
         self.first_step_s: float | None = None
+        self.reserved = False
 
     def fit(self) -> int:
         """Train to the end (exit code 0), or until a signal (a checkpoint, then EXIT_PREEMPTED)."""
@@ -145,6 +146,8 @@ class Trainer:
             window += 1
             loss_sum += loss
             window_loss += loss
+            if not self.reserved:
+                self.reserve()
             if self.first_step_s is None:
                 _ = loss.item()  # one-time sync: time to first step includes compilation
                 self.first_step_s = time.perf_counter() - r.started_at
@@ -196,20 +199,36 @@ class Trainer:
         if not last and every and (epoch + 1) % every == 0:
             self.save()
 
+    def checkpoint_state(self) -> dict | None:
+        """What a checkpoint holds (the full state on rank 0, None elsewhere; a collective under fsdp)."""
+        r, st = self.r, self.state
+        model_state = parallel.model_state(r.model, self.rt)
+        optim_state = parallel.optimizer_state(r.model, r.optimizer, self.rt)
+        if not self.rt.is_main:
+            return None
+        return {"format": checkpoint.FORMAT, "model_name": self.cfg.model.name, "model": model_state,
+                "optimizer": optim_state, "scheduler": r.schedule.state_dict(),
+                "lookahead": r.lookahead.state_dict() if r.lookahead else None,
+                "epoch": st.epoch, "epoch_step": st.epoch_step, "step": st.step, "world_size": self.rt.world_size,
+                "rng": {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if self.rt.cuda else []},
+                "config": to_dict(self.cfg)}
+
+    def reserve(self) -> None:
+        """Pinned host buffers for async saves, once the optimizer state exists (after a step):
+        pinning gigabytes takes a second or more, which no save should pay."""
+        if self.r.fast.async_save:
+            state = self.checkpoint_state()  # every rank: a collective under fsdp
+            if self.r.writer is not None:
+                self.r.writer.reserve(state)
+        self.reserved = True
+
     def save(self, sync: bool = False) -> None:
         """Rank 0 writes step-N; with async saves only the copy to pinned memory stalls training."""
         r, st = self.r, self.state
         if self.last_saved == st.step:
             return
-        model_state = parallel.model_state(r.model, self.rt)  # collective under fsdp
-        optim_state = parallel.optimizer_state(r.model, r.optimizer, self.rt)
-        if self.rt.is_main:
-            state = {"format": checkpoint.FORMAT, "model_name": self.cfg.model.name, "model": model_state,
-                     "optimizer": optim_state, "scheduler": r.schedule.state_dict(),
-                     "lookahead": r.lookahead.state_dict() if r.lookahead else None,
-                     "epoch": st.epoch, "epoch_step": st.epoch_step, "step": st.step, "world_size": self.rt.world_size,
-                     "rng": {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if self.rt.cuda else []},
-                     "config": to_dict(self.cfg)}
+        state = self.checkpoint_state()
+        if state is not None:
             t0 = time.perf_counter()
             if r.writer is not None and not sync:
                 r.writer.save(state, r.root, st.step, self.cfg.checkpoint.keep)

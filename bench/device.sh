@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# One call of the GPU machine (2x H200): strategy checks, benchmark suites, the two-"node" run.
+#   bash bench/device.sh strategies bench-a bench-b multinode
+# Needs the CIFAR-10 JPEG tarballs in .devdata/ (copied from ../shared/data) and writes to $OUT.
+set -uo pipefail
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/out}
+DATA=${DATA:-.devdata}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/machine.txt"
+python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())' | tee -a "$OUT/machine.txt"
+
+real=(--config configs/default.yaml data.name=imagefolder "data.dir=$DATA" data.cache_dir=/dev/shm/cache train.epochs=1
+      train.max_steps=40 train.log_every=10 train.plot=false)
+run_py() { python3 -m trainer "$@"; }
+run_tr() { python3 -m torch.distributed.run --standalone --nproc-per-node=2 -m trainer "$@"; }
+
+for part in "$@"; do
+  case $part in
+    strategies)
+      {
+        echo "### single"; run_py train "${real[@]}" train.strategy=single checkpoint.dir=/dev/shm/s-single
+        echo "### dp"; run_py train "${real[@]}" train.strategy=dp checkpoint.dir=/dev/shm/s-dp
+        echo "### ddp"; run_tr train "${real[@]}" train.strategy=ddp checkpoint.dir=/dev/shm/s-ddp
+        echo "### fsdp"; run_tr train "${real[@]}" train.strategy=fsdp checkpoint.dir=/dev/shm/s-fsdp
+        echo "### eval"; run_py eval /dev/shm/s-ddp/step-40 "data.dir=$DATA" data.cache_dir=/dev/shm/cache
+      } 2>&1 | grep -vE "^W[0-9]{4}|UserWarning|warnings.warn" | tee "$OUT/strategies.log"
+      ;;
+    bench-a|bench-b)
+      suite=micro,article,seednet
+      [ "$part" = bench-b ] && suite=stall,recipes
+      python3 -m trainer bench --suite "$suite" --data "$DATA" --out "/tmp/$part" 2>&1 | tee "$OUT/$part.txt"
+      cp "/tmp/$part/results.json" "$OUT/$part.json" 2>/dev/null
+      cp "/tmp/$part/bench.png" "$OUT/$part.png" 2>/dev/null
+      tar -czf "$OUT/$part-logs.tgz" -C "/tmp/$part" logs 2>/dev/null
+      ;;
+    multinode)
+      {
+        for round in 1 2; do
+          echo "### two torchrun nodes, round $round (train.max_steps=$((40 * round)))"
+          for node in 0 1; do
+            python3 -m torch.distributed.run --nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:29611 \
+              --rdzv-id=twonode --local-addr=127.0.0.1 -m trainer train "${real[@]}" "train.max_steps=$((40 * round))" \
+              checkpoint.dir=/dev/shm/twonode &
+          done
+          wait
+        done
+      } 2>&1 | grep -vE "^W[0-9]{4}|UserWarning|warnings.warn" | tee "$OUT/multinode.log"
+      ;;
+  esac
+done

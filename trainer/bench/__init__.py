@@ -1,0 +1,1 @@
+"""Benchmarks: the article's loop reproduced, this trainer beside it, and the machine's ceilings."""

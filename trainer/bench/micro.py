@@ -1,0 +1,107 @@
+"""Ceilings measured on the machine itself: bf16 matrix-product rate, all-reduce bandwidth, and the
+checkpoint stall of an asynchronous save against a synchronous one in the same run.
+
+    python -m trainer.bench.micro matmul
+    torchrun --nproc-per-node 2 -m trainer.bench.micro allreduce
+    python -m trainer.bench.micro stall key=value...        # seednet by default
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+
+def emit(record: dict) -> None:
+    print(json.dumps(record), flush=True)
+    if os.environ.get("BENCH_OUT"):
+        with open(os.environ["BENCH_OUT"], "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+
+
+def timed(fn, reps: int, warmup: int = 3) -> float:
+    """Median seconds of ``fn`` over ``reps`` runs, timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def matmul(n: int = 8192) -> None:
+    x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    s = timed(lambda: x @ y, reps=20)
+    emit({"run": "matmul-bf16", "n": n, "tflops": 2 * n**3 / s / 1e12})
+
+
+def allreduce() -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    for dtype, numel in ((torch.float32, 604_137_986), (torch.bfloat16, 604_137_986), (torch.float32, 25 * 2**20 // 4)):
+        t = torch.randn(numel, device="cuda", dtype=dtype)
+        s = timed(lambda t=t: dist.all_reduce(t), reps=10)
+        size = numel * t.element_size()
+        if rank == 0:
+            emit({"run": "allreduce", "dtype": str(dtype).split(".")[-1], "bytes": size, "ms": s * 1e3,
+                  "algbw_GBps": size / s / 1e9, "busbw_GBps": size / s / 1e9 * 2 * (world - 1) / world})
+    dist.destroy_process_group()
+
+
+def stall(overrides: list[str]) -> None:
+    """Seconds that training stands still for an async save and for a sync save of the same state."""
+    from trainer.config import load_config
+    from trainer.dist import setup
+    from trainer.loop import Trainer
+    from trainer.setup import build
+
+    folder = tempfile.mkdtemp(prefix="stall-", dir=os.environ.get("BENCH_TMP"))
+    cfg = load_config("configs/seed.yaml", ["data.name=synthetic", "data.synthetic_train_size=4096", "checkpoint.every_epochs=0",
+                                            f"checkpoint.dir={folder}", "checkpoint.async_save=true", "train.plot=false", *overrides])
+    run = build(cfg, setup(cfg))
+    trainer = Trainer(run)
+    trainer.start()
+    batches = run.loader.epoch(0)
+
+    def steps(n: int) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            x, y = next(batches)
+            trainer.train_step(run.augment.train(x, 0, run.state.step), y)
+            run.state.step += 1
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / n
+
+    base = steps(10)
+    trainer.reserve()
+    t0 = time.perf_counter()
+    trainer.save()
+    async_stall = time.perf_counter() - t0
+    during = steps(10)  # the write goes on in the background meanwhile
+    t0 = time.perf_counter()
+    trainer.save(sync=True)
+    sync_stall = time.perf_counter() - t0
+    state_bytes = sum(p.numel() * p.element_size() for p in run.model.parameters())
+    emit({"run": "checkpoint-stall", "model": cfg.model.name, "state_GB": state_bytes / 1e9, "async_stall_s": async_stall,
+          "sync_stall_s": sync_stall, "step_ms": base * 1e3, "step_ms_during_write": during * 1e3})
+
+
+if __name__ == "__main__":
+    what = sys.argv[1]
+    {"matmul": lambda: matmul(), "allreduce": lambda: allreduce(), "stall": lambda: stall(sys.argv[2:])}[what]()

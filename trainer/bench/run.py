@@ -1,0 +1,195 @@
+"""``trainer bench`` (``make bench``): the article's loop beside this trainer, on the same model,
+batch and GPUs, plus the machine's own ceilings. Runs on a GPU machine; every case is a separate
+process (so one crash costs one row) and appends a JSON line to ``OUT/results.jsonl``; at the end a
+table is printed and ``OUT/results.json`` and ``OUT/bench.png`` are written.
+
+    trainer bench                                  # everything, on all visible GPUs
+    trainer bench --suite article,seednet          # some suites
+    trainer bench --suite recipes --data ../shared/data
+Suites: micro (bf16 matmul ceiling, all-reduce bandwidth), article (one GPU, DataParallel, DDP),
+seednet (our trainer: batch 64 and 256 per GPU, DDP and FSDP, the fast path on and off), stall
+(async against sync checkpoint), recipes (the speed recipe and ResNet-18 on real data).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SEEDNET_FLOP = 128.1e9  # per image per training step (6 x 21.35 G multiply-adds)
+PLAIN = ["train.precision=fp32", "model.compile=false", "model.channels_last=false", "data.device_resident=false", "optim.impl=loop"]
+
+
+def cmd_for(gpus: int, module: str, args: list[str]) -> list[str]:
+    if gpus == 1:
+        return [sys.executable, "-m", module, *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}", "-m", module, *args]
+
+
+def run_case(name: str, cmd: list[str], out: Path, timeout: int, env: dict | None = None) -> tuple[int, str]:
+    t0 = time.time()
+    e = {**os.environ, "BENCH_OUT": str(out / "results.jsonl"), **(env or {})}
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=e)
+        code, text = p.returncode, p.stdout + p.stderr
+    except subprocess.TimeoutExpired as ex:
+        code, text = 124, f"timeout after {timeout}s\n{ex.stdout or ''}{ex.stderr or ''}"
+    (out / "logs").mkdir(exist_ok=True)
+    (out / "logs" / f"{name}.log").write_text(text if isinstance(text, str) else text.decode())
+    print(f"[{time.strftime('%H:%M:%S')}] {name}: exit {code} in {time.time() - t0:.0f}s", flush=True)
+    if code:
+        print("   " + "\n   ".join(str(text).strip().splitlines()[-6:]), flush=True)
+    return code, text
+
+
+def append(out: Path, record: dict) -> None:
+    with open(out / "results.jsonl", "a") as fh:
+        fh.write(json.dumps(record) + "\n")
+
+
+def ours(out: Path, tmp: Path, name: str, gpus: int, batch_per_gpu: int, extra: list[str], steps: int = 60, config: str = "configs/seed.yaml") -> None:
+    """Our trainer on synthetic data; steady images/s from the log windows after the first."""
+    ck = tmp / name
+    args = ["train", "--config", config, "data.name=synthetic", f"data.synthetic_train_size={max(4096, batch_per_gpu * gpus * (steps + 2))}",
+            "data.synthetic_test_size=1000", f"train.batch_size={batch_per_gpu * gpus}", f"train.max_steps={steps}", "train.log_every=10",
+            f"checkpoint.dir={ck}", "checkpoint.every_epochs=0", "train.plot=false", "train.epochs=1", *extra]
+    code, _ = run_case(name, cmd_for(gpus, "trainer", args), out, timeout=900)
+    rows = [json.loads(line) for line in (ck / "metrics.jsonl").read_text().splitlines()] if (ck / "metrics.jsonl").exists() else []
+    windows = [r["images_per_s"] for r in rows if r.get("event") == "log"][1:]
+    first = next((r["seconds"] for r in rows if r.get("event") == "first_step"), None)
+    append(out, {"run": name, "gpus": gpus, "batch_per_gpu": batch_per_gpu, "exit": code, "first_step_s": first,
+                 "images_per_s": statistics.median(windows) if windows else None, "windows": windows, "overrides": extra})
+
+
+def recipe(out: Path, tmp: Path, name: str, gpus: int, config: str, data: str, extra: list[str], target: float = 0.906) -> None:
+    """Time to accuracy on real data: training seconds (compile and evaluation excluded)."""
+    ck = tmp / name
+    args = ["train", "--config", config, "data.name=imagefolder", f"data.dir={data}", f"data.cache_dir={tmp / 'cache'}",
+            f"checkpoint.dir={ck}", "train.plot=false", *extra]
+    code, _ = run_case(name, cmd_for(gpus, "trainer", args), out, timeout=900)
+    rows = [json.loads(line) for line in (ck / "metrics.jsonl").read_text().splitlines()] if (ck / "metrics.jsonl").exists() else []
+    epochs = [r for r in rows if r.get("event") == "epoch"]
+    elapsed, reached = 0.0, None
+    for r in epochs:
+        elapsed += r["train_seconds"]
+        if reached is None and r.get("test_acc") is not None and r["test_acc"] >= target:
+            reached = elapsed
+    data_share = [r["data_ms_per_step"] / r["step_ms_per_step"] for r in epochs if r.get("step_ms_per_step")]
+    append(out, {"run": name, "gpus": gpus, "exit": code, "epochs": len(epochs), "train_seconds": round(elapsed, 3),
+                 "final_test_acc": epochs[-1]["test_acc"] if epochs else None, "target": target, "seconds_to_target": reached,
+                 "data_share_of_step": statistics.mean(data_share) if data_share else None,
+                 "images_per_s": statistics.median([r["images_per_s"] for r in epochs]) if epochs else None,
+                 "first_step_s": next((r["seconds"] for r in rows if r.get("event") == "first_step"), None)})
+
+
+def suites(args, out: Path, tmp: Path, gpus: int) -> None:
+    chosen = set(args.suite.split(","))
+    if "micro" in chosen:
+        run_case("matmul", [sys.executable, "-m", "trainer.bench.micro", "matmul"], out, 300)
+        if gpus > 1:
+            run_case("allreduce", cmd_for(gpus, "trainer.bench.micro", ["allreduce"]), out, 300)
+    if "article" in chosen:
+        run_case("article-single", [sys.executable, "-m", "trainer.bench.article", "--mode", "single"], out, 600)
+        if gpus > 1:
+            run_case("article-dp", [sys.executable, "-m", "trainer.bench.article", "--mode", "dp"], out, 600)
+            run_case("article-ddp", cmd_for(gpus, "trainer.bench.article", ["--mode", "ddp"]), out, 600)
+    if "seednet" in chosen:
+        ours(out, tmp, "ours-single-b64-plain", 1, 64, PLAIN)
+        ours(out, tmp, "ours-single-b64", 1, 64, [])
+        ours(out, tmp, "ours-single-b256", 1, 256, [])
+        if gpus > 1:
+            ours(out, tmp, "ours-ddp-b64", gpus, 64, [])
+            ours(out, tmp, "ours-fsdp-b64", gpus, 64, ["train.strategy=fsdp", "dist.reduce_dtype=bf16"])
+            ours(out, tmp, "ours-ddp-b256", gpus, 256, [])
+            ours(out, tmp, "ours-fsdp-b256", gpus, 256, ["train.strategy=fsdp", "dist.reduce_dtype=bf16"])
+    if "stall" in chosen:
+        run_case("stall", [sys.executable, "-m", "trainer.bench.micro", "stall", f"checkpoint.dir={tmp / 'stall'}"], out, 600,
+                 env={"BENCH_TMP": str(tmp)})
+    if "recipes" in chosen:
+        data = args.data or "../shared/data"
+        recipe(out, tmp, "fast-1gpu", 1, "configs/fast.yaml", data, [])
+        if gpus > 1:
+            recipe(out, tmp, "fast-2gpu", gpus, "configs/fast.yaml", data, [])
+            recipe(out, tmp, "resnet18", gpus, "configs/default.yaml", data, [f"train.epochs={args.resnet_epochs}"], target=0.906)
+
+
+def table(rows: list[dict]) -> str:
+    ceiling = next((r["tflops"] for r in rows if r.get("run") == "matmul-bf16"), None)
+    singles = {r["batch_per_gpu"]: r["images_per_s"] for r in rows if r.get("run", "").startswith("ours-single-b") and "plain" not in r["run"] and r.get("images_per_s")}
+    lines = [f"{'run':28} {'GPUs':>4} {'b/GPU':>6} {'images/s':>10} {'TFLOP/s/GPU':>12} {'of bf16 peak':>12} {'scaling':>8} {'1st step s':>10}"]
+    for r in rows:
+        ips = r.get("images_per_s")
+        if ips is None or "batch_per_gpu" not in r:
+            continue
+        tf = ips / r["gpus"] * SEEDNET_FLOP / 1e12
+        share = f"{100 * tf / ceiling:.0f}%" if ceiling else "-"
+        base = singles.get(r["batch_per_gpu"])
+        scale = f"{100 * ips / (r['gpus'] * base):.0f}%" if base and r["gpus"] > 1 and r["run"].startswith("ours") else "-"
+        first = f"{r['first_step_s']:.1f}" if r.get("first_step_s") else "-"
+        lines.append(f"{r['run']:28} {r['gpus']:>4} {r['batch_per_gpu']:>6g} {ips:>10,.0f} {tf:>12.1f} {share:>12} {scale:>8} {first:>10}")
+    for r in rows:
+        if r.get("run") == "checkpoint-stall":
+            lines.append(f"checkpoint ({r['state_GB']:.2f} GB of weights): async stall {r['async_stall_s']:.3f}s, sync save {r['sync_stall_s']:.2f}s, "
+                         f"step {r['step_ms']:.1f} ms, {r['step_ms_during_write']:.1f} ms while writing")
+        if "seconds_to_target" in r:
+            acc = r.get("final_test_acc")
+            lines.append(f"{r['run']}: {r['gpus']} GPU(s), test acc {100 * acc:.2f}% after {r['train_seconds']:.2f}s of training; "
+                         f"{r['target']:.1%} reached after {r['seconds_to_target']}s; data share of step {r['data_share_of_step']}" if acc is not None else f"{r['run']}: failed")
+        if r.get("run") in ("matmul-bf16", "allreduce"):
+            lines.append(json.dumps(r))
+    return "\n".join(lines)
+
+
+def chart(rows: list[dict], png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bars = [(r["run"], r["images_per_s"]) for r in rows if r.get("images_per_s") and "batch_per_gpu" in r]
+    if not bars:
+        return
+    fig, ax = plt.subplots(figsize=(10, 0.45 * len(bars) + 1.5))
+    colors = ["tab:gray" if n.startswith("article") else "tab:blue" for n, _ in bars]
+    ax.barh([n for n, _ in bars], [v for _, v in bars], color=colors)
+    for i, (_, v) in enumerate(bars):
+        ax.text(v, i, f" {v:,.0f}", va="center")
+    ax.invert_yaxis()
+    ax.set_xlabel("images/s (seednet, synthetic CIFAR-shaped data)")
+    ax.set_title("The article's loop (gray) and this trainer (blue)")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str]) -> int:
+    import torch
+
+    p = argparse.ArgumentParser(prog="trainer bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="bench-results")
+    p.add_argument("--suite", default="micro,article,seednet,stall,recipes")
+    p.add_argument("--data", default="", help="CIFAR-10 image folders or tarballs for the recipes (default ../shared/data)")
+    p.add_argument("--resnet-epochs", type=int, default=30)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("error: trainer bench needs CUDA GPUs; run it on the GPU machine", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="bench-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    suites(args, out, tmp, torch.cuda.device_count())
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()] if (out / "results.jsonl").exists() else []
+    meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0),
+            "gpus": torch.cuda.device_count(), "command": "trainer bench " + " ".join(argv)}
+    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    chart(rows, out / "bench.png")
+    print(json.dumps(meta))
+    print(table(rows))
+    return 0
