@@ -41,7 +41,7 @@ test-all: venv
 lint: venv
 	$(BIN)/ruff check trainer tests k8s
 	$(BIN)/hadolint Dockerfile
-	$(BIN)/shellcheck -x slurm/*.sh tests/slurm/*.sh .ci/run
+	$(BIN)/shellcheck -x slurm/*.sh tests/slurm/*.sh bench/*.sh .ci/run
 
 ## GPU benchmark: the article's loop beside this trainer (run it on a GPU machine)
 bench: venv

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call of the GPU machine (2x H200): strategy checks, benchmark suites, the two-"node" run.
-#   bash bench/device.sh strategies bench-a bench-b multinode
+#   bash bench/device.sh strategies bench:micro,article bench:seednet bench:stall,recipes multinode
 # Needs the CIFAR-10 JPEG tarballs in .devdata/ (copied from ../shared/data) and writes to $OUT.
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
@@ -27,19 +27,19 @@ for part in "$@"; do
         echo "### eval"; run_py eval /dev/shm/s-ddp/step-40 "data.dir=$DATA" data.cache_dir=/dev/shm/cache
       } 2>&1 | grep -vE "^W[0-9]{4}|UserWarning|warnings.warn" | tee "$OUT/strategies.log"
       ;;
-    bench-a|bench-b)
-      suite=micro,article,seednet
-      [ "$part" = bench-b ] && suite=stall,recipes
-      python3 -m trainer bench --suite "$suite" --data "$DATA" --out "/tmp/$part" 2>&1 | tee "$OUT/$part.txt"
-      cp "/tmp/$part/results.json" "$OUT/$part.json" 2>/dev/null
-      cp "/tmp/$part/bench.png" "$OUT/$part.png" 2>/dev/null
-      tar -czf "$OUT/$part-logs.tgz" -C "/tmp/$part" logs 2>/dev/null
+    bench:*)   # bench:SUITE[,SUITE...] -> trainer bench --suite SUITES
+      suite=${part#bench:}
+      name=${suite//,/-}
+      python3 -m trainer bench --suite "$suite" --data "$DATA" --out "/tmp/$name" 2>&1 | tee "$OUT/$name.txt"
+      cp "/tmp/$name/results.json" "$OUT/$name.json" 2>/dev/null
+      cp "/tmp/$name/bench.png" "$OUT/$name.png" 2>/dev/null
+      tar -czf "$OUT/$name-logs.tgz" -C "/tmp/$name" logs 2>/dev/null
       ;;
     multinode)
       {
         for round in 1 2; do
           echo "### two torchrun nodes, round $round (train.max_steps=$((40 * round)))"
-          for node in 0 1; do
+          for _ in 0 1; do
             python3 -m torch.distributed.run --nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:29611 \
               --rdzv-id=twonode --local-addr=127.0.0.1 -m trainer train "${real[@]}" "train.max_steps=$((40 * round))" \
               checkpoint.dir=/dev/shm/twonode &
