@@ -30,10 +30,8 @@ for part in "$@"; do
     bench:*)   # bench:SUITE[,SUITE...] -> trainer bench --suite SUITES
       suite=${part#bench:}
       name=${suite//,/-}
-      python3 -m trainer bench --suite "$suite" --data "$DATA" --out "/tmp/$name" 2>&1 | tee "$OUT/$name.txt"
-      cp "/tmp/$name/results.json" "$OUT/$name.json" 2>/dev/null
-      cp "/tmp/$name/bench.png" "$OUT/$name.png" 2>/dev/null
-      tar -czf "$OUT/$name-logs.tgz" -C "/tmp/$name" logs 2>/dev/null
+      python3 -m trainer bench --suite "$suite" --data "$DATA" --out "$OUT/$name" 2>&1 | tee "$OUT/$name.txt"
+      tar -czf "$OUT/$name-logs.tgz" -C "$OUT/$name" logs 2>/dev/null
       ;;
     multinode)
       {

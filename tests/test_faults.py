@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -142,12 +143,19 @@ def test_sigterm_during_a_save(tmp_path, reference):
         agent = start(ckpt, extra_env={"TRAINER_FAULT": f"before-rename@{save_step}:sleep=2"})
         sent = []
 
-        def on_line(line):
-            if not sent and list(ckpt.glob(f".tmp-step-{save_step}-*")):
-                agent.send_signal(signal.SIGTERM)
-                sent.append(True)
+        def watch():  # SIGTERM while rank 0 is inside the save (its temporary folder exists)
+            deadline = time.time() + 120
+            while time.time() < deadline and agent.poll() is None:
+                if list(ckpt.glob(f".tmp-step-{save_step}-*")):
+                    agent.send_signal(signal.SIGTERM)
+                    sent.append(True)
+                    return
+                time.sleep(0.02)
 
-        out = drive(agent, on_line)
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        out = drive(agent)
+        watcher.join()
         assert sent, out[-2000:]
         stopped = re.search(r"stopped by SIGTERM at step (\d+)", out)
         assert stopped and (ckpt / f"step-{save_step}").is_dir() and (ckpt / f"step-{stopped.group(1)}").is_dir(), out[-2000:]
@@ -172,9 +180,8 @@ def test_rank0_killed_between_write_and_rename(tmp_path, reference):
 def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, reference):
     def trial(i):
         ckpt = tmp_path / f"t{i}"
-        out = drive(start(ckpt, "train.max_steps=12"))
-        assert "done: step 12" in out
-        state = ckpt / "step-12" / "state.pt"
+        assert f"done: step {STEPS}" in drive(start(ckpt))
+        state = ckpt / f"step-{STEPS}" / "state.pt"
         raw = bytearray(state.read_bytes())
         if i == 0:
             raw = raw[: len(raw) // 3]  # truncated
@@ -182,8 +189,9 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, referenc
             raw[len(raw) // 2] ^= 0x55  # one flipped byte
         state.write_bytes(bytes(raw))
         out = run(torchrun_cmd(2, "train", *JOB, f"checkpoint.dir={ckpt}")).stdout
-        assert "step-12" in out and ("truncated" in out or "checksum" in out) and "resuming from" in out and "step-9" in out
-        assert (ckpt / "step-12.corrupt").is_dir()
+        assert ("truncated" in out or "checksum" in out) and f"step-{STEPS}" in out, out[-2000:]
+        assert "resuming from" in out and "step-30" in out
+        assert (ckpt / f"step-{STEPS}.corrupt").is_dir()
         assert same(weights(newest(ckpt)), reference)
 
     trials("truncated or flipped newest checkpoint: resume from the previous", 2, trial)

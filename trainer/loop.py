@@ -77,9 +77,10 @@ class Trainer:
         r = self.r
         if self.rt.is_main:
             (r.root / "config.yaml").write_text(to_yaml(self.cfg))
+        shown = torch.cuda.device_count() if self.rt.strategy == "dp" else self.rt.world_size
         where = f"resuming from {r.resumed_from} (epoch {self.state.epoch}, step {self.state.step})" if r.resumed_from else "starting fresh"
         r.say.line(
-            f"{self.cfg.model.name} | strategy {self.rt.strategy} x{self.rt.world_size} on {self.rt.device.type} | "
+            f"{self.cfg.model.name} | strategy {self.rt.strategy} x{shown} on {self.rt.device.type} | "
             f"{len(r.train_split)} train / {len(r.test_split)} test images | {r.fast} | {where}"
         )
         r.log.write({"event": "start", "strategy": self.rt.strategy, "world_size": self.rt.world_size, "step": self.state.step,
@@ -186,6 +187,7 @@ class Trainer:
         last = epoch + 1 == cfg.train.epochs or self.done_steps()
         test_loss = test_acc = None
         if last or (epoch + 1) % cfg.train.eval_every == 0:
+            parallel.sync_buffers(self.r.model, self.rt)
             test_loss, test_acc = evaluate(self.r.eval_model, self.r.test_split, self.cfg, self.rt, self.r.augment, self.r.fast.bf16)
         if not self.done_steps() or st.epoch_step >= self.r.steps_per_epoch:
             st.epoch, st.epoch_step = epoch + 1, 0

@@ -28,11 +28,13 @@ def impl_kwargs(impl: str, cuda: bool) -> dict:
     return {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
 
 
-def build_optimizer(model: nn.Module, cfg: Config, cuda: bool) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: Config, cuda: bool, sharded: bool = False) -> torch.optim.Optimizer:
     o = cfg.optim
     if o.impl == "fused" and not cuda:
         raise ConfigError("optim.impl=fused needs CUDA; use optim.impl=foreach (or auto) on the CPU")
-    kw = impl_kwargs(o.impl, cuda)
+    if o.impl == "fused" and sharded:
+        raise ConfigError("optim.impl=fused does not run on fsdp's sharded parameters; use optim.impl=foreach (or auto)")
+    kw = impl_kwargs("foreach" if sharded and o.impl == "auto" else o.impl, cuda)
     groups = param_groups(model, cfg)
     if o.name == "sgd":
         return torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov, **kw)

@@ -69,6 +69,16 @@ def model_state(model: nn.Module, rt: Runtime) -> dict:
     return unwrap(model).state_dict()
 
 
+def sync_buffers(model: nn.Module, rt: Runtime) -> None:
+    """DDP copies rank 0's buffers to the others *before* each forward, so after the last step each
+    rank holds batch-norm statistics of its own last batch. Evaluate (and save) rank 0's."""
+    if rt.strategy == "ddp":
+        import torch.distributed as dist
+
+        for b in unwrap(model).buffers():
+            dist.broadcast(b, src=0)
+
+
 def _names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
     """Parameter names in the optimizer's own order (its state is keyed by that position)."""
     name_of = {id(p): n for n, p in unwrap(model).named_parameters()}

@@ -173,7 +173,7 @@ def build(cfg: Config, rt: Runtime, started_at: float | None = None) -> Run:
         model.to(memory_format=torch.channels_last)
 
     net = parallel.wrap(model, cfg, rt, fast.compile, fast.bf16)
-    optimizer = build_optimizer(model, cfg, rt.cuda)
+    optimizer = build_optimizer(model, cfg, rt.cuda, sharded=rt.strategy == "fsdp")
     total = steps_per_epoch * cfg.train.epochs
     total = min(total, cfg.train.max_steps) if cfg.train.max_steps else total
     schedule = build_schedule(optimizer, cfg, total, steps_per_epoch)

@@ -101,8 +101,9 @@ def main() -> None:
               "first_step_s": first}
     if rank == 0:
         print(json.dumps(result), flush=True)
-        if args.out:
-            with open(args.out, "a") as fh:
+        out = args.out or os.environ.get("BENCH_OUT")
+        if out:
+            with open(out, "a") as fh:
                 fh.write(json.dumps(result) + "\n")
     if args.mode == "ddp":
         torch.distributed.destroy_process_group()
