@@ -7,6 +7,7 @@ table is printed and ``OUT/results.json`` and ``OUT/bench.png`` are written.
     trainer bench --suite article,seednet          # some suites
     trainer bench --suite recipes --data ../shared/data
 Suites: micro (bf16 matmul ceiling, all-reduce bandwidth), article (one GPU, DataParallel, DDP),
+trace (DDP variants: step time and how much of the all-reduce overlaps compute),
 seednet (our trainer: batch 64 and 256 per GPU, DDP and FSDP, the fast path on and off), stall
 (async against sync checkpoint), recipes (the speed recipe and ResNet-18 on real data).
 """
@@ -113,6 +114,8 @@ def suites(args, out: Path, tmp: Path, gpus: int) -> None:
             ours(out, tmp, "ours-ddp-b256", gpus, 256, [])
             ours(out, tmp, "ours-fsdp-b256", gpus, 256, fsdp)
             ours(out, tmp, "ours-fsdp-b512", gpus, 512, fsdp, steps=40)
+    if "trace" in chosen and gpus > 1:
+        run_case("trace", cmd_for(gpus, "trainer.bench.trace", []), out, 400)
     if "stall" in chosen:
         run_case("stall", [sys.executable, "-m", "trainer.bench.micro", "stall", f"checkpoint.dir={tmp / 'stall'}"], out, 600,
                  env={"BENCH_TMP": str(tmp)})
@@ -146,7 +149,7 @@ def table(rows: list[dict]) -> str:
             acc = r.get("final_test_acc")
             lines.append(f"{r['run']}: {r['gpus']} GPU(s), test acc {100 * acc:.2f}% after {r['train_seconds']:.2f}s of training; "
                          f"{r['target']:.1%} reached after {r['seconds_to_target']}s; data share of step {r['data_share_of_step']}" if acc is not None else f"{r['run']}: failed")
-        if r.get("run") in ("matmul-bf16", "allreduce"):
+        if r.get("run") in ("matmul-bf16", "allreduce") or r.get("run", "").startswith("trace-"):
             lines.append(json.dumps(r))
     return "\n".join(lines)
 
