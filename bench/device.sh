@@ -37,8 +37,8 @@ for part in "$@"; do
       {
         for round in 1 2; do
           echo "### two torchrun nodes, round $round (train.max_steps=$((40 * round)))"
-          for _ in 0 1; do
-            python3 -m torch.distributed.run --nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:29611 \
+          for node in 0 1; do   # one GPU per "node", as two hosts would have
+            CUDA_VISIBLE_DEVICES=$node python3 -m torch.distributed.run --nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:29611 \
               --rdzv-id=twonode --local-addr=127.0.0.1 -m trainer train "${real[@]}" "train.max_steps=$((40 * round))" \
               checkpoint.dir=/dev/shm/twonode &
           done

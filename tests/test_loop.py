@@ -23,6 +23,16 @@ def test_two_epochs_equal_one_then_a_resumed_one_bit_for_bit(tmp_path):
 
 
 @pytest.mark.slow
+def test_async_checkpoints_under_ddp_keep_the_ranks_in_step(ckpt):
+    """Only rank 0 has a background writer; the ranks must still make the same collectives."""
+    p = train(ckpt, "train.epochs=3", "checkpoint.async_save=true", "checkpoint.every_steps=5", "dist.timeout_s=60", nproc=2, timeout=240)
+    assert "done: step 48" in p.stdout
+    assert {f"step-{s}" for s in (40, 45, 48)} <= {d.name for d in ckpt.iterdir()}
+    rows = [json.loads(line) for line in (ckpt / "metrics.jsonl").read_text().splitlines()]
+    assert any(r["event"] == "checkpoint" and r["async"] for r in rows)
+
+
+@pytest.mark.slow
 def test_resume_on_another_world_size_is_close(tmp_path):
     train(tmp_path / "straight", "train.epochs=2", *CONSTANT)
     train(tmp_path / "split", "train.epochs=1", *CONSTANT)

@@ -240,7 +240,7 @@ class Trainer:
                 checkpoint.write(state, r.root, st.step, self.cfg.checkpoint.keep)
             stall = time.perf_counter() - t0
             r.log.write({"event": "checkpoint", "step": st.step, "stall_s": round(stall, 4), "async": r.writer is not None and not sync})
-        if sync or r.writer is None:
+        if sync or not r.fast.async_save:  # decided alike on every rank (only rank 0 has a writer)
             barrier(self.rt)  # the others wait until the checkpoint is on disk
         self.last_saved = st.step
 
