@@ -9,7 +9,8 @@ table is printed and ``OUT/results.json`` and ``OUT/bench.png`` are written.
 Suites: micro (bf16 matmul ceiling, all-reduce bandwidth), article (one GPU, DataParallel, DDP),
 trace (DDP variants: step time and how much of the all-reduce overlaps compute),
 seednet (our trainer: batch 64 and 256 per GPU, DDP and FSDP, the fast path on and off), stall
-(async against sync checkpoint), recipes (the speed recipe and ResNet-18 on real data).
+(async against sync checkpoint), recipes (the speed recipe on real data), resnet18 (the
+default recipe on real data, all GPUs).
 """
 
 from __future__ import annotations
@@ -182,7 +183,7 @@ def main(argv: list[str]) -> int:
 
     p = argparse.ArgumentParser(prog="trainer bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="bench-results")
-    p.add_argument("--suite", default="micro,article,seednet,stall,recipes")
+    p.add_argument("--suite", default="micro,article,trace,seednet,stall,recipes,resnet18")
     p.add_argument("--data", default="", help="CIFAR-10 image folders or tarballs for the recipes (default ../shared/data)")
     p.add_argument("--resnet-epochs", type=int, default=30)
     args = p.parse_args(argv)
