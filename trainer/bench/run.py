@@ -149,8 +149,9 @@ def table(rows: list[dict]) -> str:
                          f"step {r['step_ms']:.1f} ms, {r['step_ms_during_write']:.1f} ms while writing")
         if "seconds_to_target" in r:
             acc = r.get("final_test_acc")
+            reached = "not reached" if r["seconds_to_target"] is None else f"reached after {r['seconds_to_target']:.2f}s"
             lines.append(f"{r['run']}: {r['gpus']} GPU(s), test acc {100 * acc:.2f}% after {r['train_seconds']:.2f}s of training; "
-                         f"{r['target']:.1%} reached after {r['seconds_to_target']}s; data share of step {r['data_share_of_step']}" if acc is not None else f"{r['run']}: failed")
+                         f"{r['target']:.1%} {reached}; data {100 * r['data_share_of_step']:.1f}% of step time" if acc is not None else f"{r['run']}: failed")
         if r.get("run") in ("matmul-bf16", "allreduce") or r.get("run", "").startswith("trace-"):
             lines.append(json.dumps(r))
     return "\n".join(lines)
