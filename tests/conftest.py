@@ -27,6 +27,8 @@ def env(**extra: str) -> dict[str, str]:
     e = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "TORCHELASTIC", "TRAINER_"))}
     # As every launcher of ours sets it: restarts under c10d rendezvous need a fresh store (see README).
     e.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    # the test interpreter's environment first on PATH (torchrun, trainer), as an activated venv has it
+    e["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{e.get('PATH', '')}"
     e.update(extra)
     return e
 

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from conftest import ROOT, TINY, env, free_port, run, torchrun_cmd, train, trainer_cmd, tree_files
@@ -79,8 +81,8 @@ def test_two_ranks_stay_identical_and_equal_one_process(tmp_path, strategy):
     # A few steps: further on, float rounding differences (sums in another order) grow chaotically.
     args = [*TINY, "train.epochs=1", "train.max_steps=6", "optim.momentum=0.9", "data.crop_padding=4"]
     one, two = tmp_path / "one.pt", tmp_path / "two.pt"
-    run(["python", "tests/ddp_probe.py", str(one), *args, f"checkpoint.dir={tmp_path / 'a'}"])
-    run(["python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "tests/ddp_probe.py", str(two), *args,
+    run([sys.executable, "tests/ddp_probe.py", str(one), *args, f"checkpoint.dir={tmp_path / 'a'}"])
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "tests/ddp_probe.py", str(two), *args,
          f"checkpoint.dir={tmp_path / 'b'}", f"train.strategy={strategy}"], env=env(MASTER_PORT=str(free_port())))
     a, b = torch.load(one), torch.load(two)
     assert b["max_rank_diff"] == 0.0, "ranks diverged"
@@ -108,7 +110,7 @@ def test_multi_node_rendezvous_on_one_host(tmp_path, ckpt):
 
     port = free_port()
     cmds = [
-        ["python", "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", f"--node-rank={i}", "--rdzv-backend=c10d",
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", f"--node-rank={i}", "--rdzv-backend=c10d",
          f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=job1", "-m", "trainer", "train", *TINY, f"checkpoint.dir={ckpt}", "train.epochs=1"]
         for i in range(2)
     ]

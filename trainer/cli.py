@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import os
 import re
-import shutil
 import sys
 import time
 
@@ -154,13 +153,13 @@ def launch(nproc_per_node, max_restarts, config_file, overrides):
     from trainer.dist import check_batch
 
     check_batch(cfg, int(nproc_per_node))
-    torchrun = shutil.which("torchrun") or "torchrun"
-    args = [torchrun, "--standalone", f"--nproc-per-node={nproc_per_node}", f"--max-restarts={max_restarts}", "-m", "trainer", "train"]
+    # torchrun of this interpreter: the same environment whether or not a venv is activated
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc_per_node}", f"--max-restarts={max_restarts}", "-m", "trainer", "train"]
     args += (["--config", config_file] if config_file else []) + list(overrides)
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # restarts get a fresh store (README)
     click.echo(" ".join(args), err=True)
     sys.stdout.flush()
-    os.execv(torchrun, args)
+    os.execv(sys.executable, args)
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})

@@ -1,0 +1,46 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import newest, train, weights
+
+from trainer.config import load_config
+from trainer.dist import Runtime
+from trainer.setup import Fast
+
+PLAIN = ["train.precision=fp32", "model.compile=false", "model.channels_last=false", "data.device_resident=false",
+         "optim.impl=loop", "checkpoint.async_save=false"]
+FAST_FP32 = ["train.precision=fp32", "model.compile=true", "model.channels_last=true", "data.device_resident=true",
+             "optim.impl=foreach", "checkpoint.async_save=true"]
+
+
+def test_fast_path_is_on_for_cuda_and_each_part_switches_off():
+    cuda = Runtime("single", 0, 0, 1, 1, torch.device("cuda", 0), None)
+    cpu = Runtime("cpu", 0, 0, 1, 1, torch.device("cpu"), None)
+    on = Fast.resolve(load_config(), cuda)
+    assert on.bf16 and on.channels_last and on.compile and on.device_resident and on.async_save
+    off = Fast.resolve(load_config(None, PLAIN), cuda)
+    assert not (off.bf16 or off.channels_last or off.compile or off.device_resident or off.async_save)
+    assert not Fast.resolve(load_config(), cpu).compile
+    dp = Runtime("dp", 0, 0, 1, 1, torch.device("cuda", 0), None)
+    assert not Fast.resolve(load_config(), dp).compile  # DataParallel is never compiled
+
+
+def relative(a: dict, b: dict) -> float:
+    num = sum(float((a[k].float() - b[k].float()).norm() ** 2) for k in a)
+    den = sum(float(b[k].float().norm() ** 2) for k in b)
+    return (num / den) ** 0.5
+
+
+@pytest.mark.slow
+def test_fast_and_plain_paths_compute_the_same(tmp_path):
+    """compile + channels-last + foreach + data on the device + async saves change no result beyond
+    float rounding; bf16 autocast on top stays within bf16 tolerance."""
+    common = ["train.epochs=1", "train.max_steps=8", "optim.momentum=0.9", "data.crop_padding=4"]
+    train(tmp_path / "plain", *common, *PLAIN, timeout=600)
+    train(tmp_path / "fast32", *common, *FAST_FP32, timeout=600)
+    train(tmp_path / "fast16", *common, *FAST_FP32[1:], "train.precision=bf16", timeout=600)
+    plain = weights(newest(tmp_path / "plain"))
+    assert relative(weights(newest(tmp_path / "fast32")), plain) < 1e-4
+    bf16 = relative(weights(newest(tmp_path / "fast16")), plain)
+    assert 0 < bf16 < 3e-2
