@@ -112,6 +112,28 @@ def newest_good(root: Path, log=print) -> Path | None:
     return None
 
 
+def explicit_resume(root: Path, resume: str) -> Path | None:
+    """The checks on checkpoint.resume that read no checkpoint: ``never`` refuses a folder that
+    already holds checkpoints (nothing gets mixed or overwritten), a path must exist. Returns that
+    path, or None for ``auto`` and ``never``."""
+    if resume == "never":
+        existing = complete(root)
+        if existing:
+            raise CheckpointError(f"checkpoint.dir={root} already holds checkpoints (newest {existing[-1][1].name}); use checkpoint.resume=auto to continue them, or another checkpoint.dir")
+        return None
+    if resume == "auto":
+        return None
+    path = Path(resume)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint.resume={resume} does not exist; pass a step-N folder, or checkpoint.resume=auto")
+    return path
+
+
+def check_model(saved: str | None, wanted: str, where: Path) -> None:
+    if saved != wanted:
+        raise CheckpointError(f"checkpoint {where} holds model {saved!r} but model.name={wanted}; set model.name={saved} or use another checkpoint.dir")
+
+
 def clean_temporaries(root: Path) -> None:
     for p in root.glob(".tmp-step-*"):
         shutil.rmtree(p, ignore_errors=True)

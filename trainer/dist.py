@@ -53,20 +53,29 @@ def launched_by_torchrun() -> bool:
     return all(k in os.environ for k in DIST_ENV)
 
 
+def check_devices(cfg: Config) -> None:
+    """What the config asks of the hardware, whatever the launcher: CUDA where it is named, NCCL
+    only with CUDA. Raises ConfigError naming the fix."""
+    has_cuda, t = torch.cuda.is_available(), cfg.train
+    if t.strategy in ("single", "dp") and not has_cuda:
+        raise ConfigError(f"train.strategy={t.strategy} needs a CUDA GPU and none is visible; use train.strategy=cpu (or auto)")
+    if t.device == "cuda" and not has_cuda:
+        raise ConfigError("train.device=cuda but no CUDA GPU is visible; use train.device=cpu (or auto)")
+    if cfg.dist.backend == "nccl" and (not has_cuda or t.device == "cpu"):
+        raise ConfigError("dist.backend=nccl needs CUDA GPUs and this run is on the CPU; use dist.backend=gloo (or auto)")
+
+
 def resolve(cfg: Config) -> Runtime:
     """Decide strategy, rank and device from the config and the environment (no side effects).
 
     Raises ConfigError for combinations that cannot work, naming the fix.
     """
+    check_devices(cfg)
     strategy = cfg.train.strategy
     has_cuda = torch.cuda.is_available()
     in_group = launched_by_torchrun()
     if strategy == "auto":
         strategy = "ddp" if in_group else ("single" if has_cuda else "cpu")
-    if strategy in ("single", "dp") and not has_cuda:
-        raise ConfigError(
-            f"train.strategy={strategy} needs a CUDA GPU and none is visible; use train.strategy=cpu (or auto)"
-        )
     if strategy in ("cpu", "single", "dp"):
         if in_group and int(os.environ["WORLD_SIZE"]) > 1:
             raise ConfigError(
@@ -88,8 +97,6 @@ def resolve(cfg: Config) -> Runtime:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     want = cfg.train.device
-    if want == "cuda" and not has_cuda:
-        raise ConfigError("train.device=cuda but no CUDA GPU is visible; use train.device=cpu (or auto)")
     use_cuda = has_cuda if want == "auto" else want == "cuda"
     if use_cuda:
         if local_rank >= torch.cuda.device_count():
@@ -103,8 +110,6 @@ def resolve(cfg: Config) -> Runtime:
     backend = cfg.dist.backend
     if backend == "auto":
         backend = "nccl" if use_cuda else "gloo"
-    if backend == "nccl" and not use_cuda:
-        raise ConfigError("dist.backend=nccl needs CUDA GPUs and this process runs on the CPU; use dist.backend=gloo (or auto)")
     return Runtime(strategy, rank, local_rank, world, local_world, device, backend)
 
 

@@ -9,34 +9,25 @@ import torch
 
 from trainer import checkpoint, data, models
 from trainer.config import Config, ConfigError, from_dict, load_config
+from trainer.dist import check_devices
 
 
 def preflight(cfg: Config) -> None:
     """The checks a launcher can make once, before torchrun starts any worker: CUDA where asked
     for, a writable checkpoint folder, a resume path that exists and fits, a data folder that holds
     data. Raises ConfigError (exit 2); changes nothing on disk."""
-    has_cuda = torch.cuda.is_available()
-    t = cfg.train
-    if not has_cuda and (t.strategy in ("single", "dp") or t.device == "cuda"):
-        what = f"train.strategy={t.strategy}" if t.strategy in ("single", "dp") else "train.device=cuda"
-        raise ConfigError(f"{what} needs a CUDA GPU and none is visible; use train.strategy=cpu or train.device=auto")
-    if cfg.dist.backend == "nccl" and (not has_cuda or t.device == "cpu"):
-        raise ConfigError("dist.backend=nccl needs CUDA GPUs and this run is on the CPU; use dist.backend=gloo (or auto)")
-    checkpoint.probe(Path(cfg.checkpoint.dir), 0)
-    resume = cfg.checkpoint.resume
-    existing = checkpoint.complete(Path(cfg.checkpoint.dir))
-    if resume == "never" and existing:
-        raise ConfigError(f"checkpoint.dir={cfg.checkpoint.dir} already holds checkpoints (newest {existing[-1][1].name}); use checkpoint.resume=auto, or another checkpoint.dir")
-    folder = None if resume == "never" else (existing[-1][1] if resume == "auto" and existing else None)
-    if resume not in ("auto", "never"):
-        folder = Path(resume)
-        if not folder.exists():
-            raise ConfigError(f"checkpoint.resume={resume} does not exist; pass a step-N folder, or checkpoint.resume=auto")
+    check_devices(cfg)
+    root = Path(cfg.checkpoint.dir)
+    checkpoint.probe(root, 0)
+    folder = checkpoint.explicit_resume(root, cfg.checkpoint.resume)
+    if cfg.checkpoint.resume == "auto" and checkpoint.complete(root):
+        folder = checkpoint.complete(root)[-1][1]
+    if folder is not None:
         folder = folder if folder.is_dir() else folder.parent
-    if folder is not None and (folder / checkpoint.META).is_file():
-        saved = json.loads((folder / checkpoint.META).read_text()).get("model")
-        if saved and saved != cfg.model.name:
-            raise ConfigError(f"checkpoint {folder} holds model {saved!r} but model.name={cfg.model.name}; set model.name={saved} or use another checkpoint.dir")
+        if (folder / checkpoint.META).is_file():
+            saved = json.loads((folder / checkpoint.META).read_text()).get("model")
+            if saved:
+                checkpoint.check_model(saved, cfg.model.name, folder)
     d = cfg.data
     if d.name == "imagefolder":
         if not Path(d.dir).is_dir():

@@ -98,25 +98,17 @@ def _state_bytes(model: nn.Module, cfg: Config) -> int:
 
 def _prechecks(cfg: Config, rt: Runtime, model: nn.Module, say: Progress) -> Path | None:
     """Rank 0: write probe, leftover temporaries, and which checkpoint to resume from."""
-    root, resume = Path(cfg.checkpoint.dir), cfg.checkpoint.resume
+    root = Path(cfg.checkpoint.dir)
     checkpoint.probe(root, _state_bytes(model, cfg))
+    path = checkpoint.explicit_resume(root, cfg.checkpoint.resume)
     checkpoint.clean_temporaries(root)
-    if resume == "never":
-        existing = checkpoint.complete(root)
-        if existing:
-            raise ConfigError(f"checkpoint.dir={root} already holds checkpoints (newest {existing[-1][1].name}); use checkpoint.resume=auto to continue them, or another checkpoint.dir")
-        return None
-    if resume == "auto":
+    if cfg.checkpoint.resume == "auto":
         return checkpoint.newest_good(root, log=say.line)
-    path = Path(resume)
-    if not path.exists():
-        raise checkpoint.CheckpointError(f"checkpoint.resume={resume} does not exist; pass a step-N folder, or checkpoint.resume=auto")
     return path
 
 
 def _load_weights(model: nn.Module, state: dict, cfg: Config, path: Path) -> None:
-    if state.get("model_name") != cfg.model.name:
-        raise checkpoint.CheckpointError(f"checkpoint {path} holds model {state.get('model_name')!r} but model.name={cfg.model.name}; set model.name={state.get('model_name')} or use another checkpoint.dir")
+    checkpoint.check_model(state.get("model_name"), cfg.model.name, path)
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as e:
