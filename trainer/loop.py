@@ -97,10 +97,7 @@ class Trainer:
         x = r.augment.normalize(r.train_split.images[:b].to(self.rt.device))
         y = r.train_split.labels[:b].to(self.rt.device)
         r.net.train()
-        with torch.autocast(self.rt.device.type, dtype=torch.bfloat16, enabled=r.fast.bf16):
-            loss = r.criterion(r.net(x), y)
-        loss.backward()
-        _ = loss.item()
+        _ = self.forward_backward(x, y).item()
         r.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
             for k, v in r.model.state_dict().items():
@@ -111,17 +108,21 @@ class Trainer:
     def done_steps(self) -> bool:
         return 0 < self.cfg.train.max_steps <= self.state.step
 
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(self.rt.device.type, dtype=torch.bfloat16, enabled=self.r.fast.bf16):
+            loss = self.r.criterion(self.r.net(x), y)
+        loss.backward()
+        return loss.detach()
+
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         r = self.r
-        with torch.autocast(self.rt.device.type, dtype=torch.bfloat16, enabled=r.fast.bf16):
-            loss = r.criterion(r.net(x), y)
-        loss.backward()
+        loss = self.forward_backward(x, y)
         r.optimizer.step()
         r.optimizer.zero_grad(set_to_none=True)
         r.schedule.step()
         if r.lookahead is not None:
             r.lookahead.step(self.state.step + 1, r.total_steps)
-        return loss.detach()
+        return loss
 
     def train_epoch(self, epoch: int) -> bool:
         """One epoch from ``state.epoch_step``; True when every rank agreed to stop on a signal."""
