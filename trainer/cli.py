@@ -139,11 +139,15 @@ def data(config_file, overrides):
               help="torchrun restarts of the whole group after a failure.")
 @config_options
 def launch(nproc_per_node, max_restarts, config_file, overrides):
-    """Check the input, then exec torchrun -m trainer train with the same arguments."""
+    """Check the input and fetch or decode the data set once, then exec torchrun -m trainer train
+    with the same arguments (a usage error or a missing data set exits 2 here, not once per restart)."""
+    from trainer import data as datasets
     from trainer.evaluate import preflight
 
     cfg = load_config(config_file, overrides)
     preflight(cfg)
+    if cfg.data.name != "synthetic":
+        datasets.load(cfg)  # into the uint8 cache that the workers then read
     if nproc_per_node == "auto":
         import torch
 

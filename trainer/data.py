@@ -114,8 +114,9 @@ def _cifar10(cfg: Config) -> tuple[Split, Split]:
                 except Exception as e:  # noqa: BLE001 - offline, read-only, checksum failure...
                     reason = " ".join(str(e).split())[:120]
                     raise ConfigError(
-                        f"CIFAR-10 is not in {root} and could not be downloaded ({reason}); put cifar-10-python.tar.gz "
-                        f"there, or use data.name=imagefolder data.dir=PATH (e.g. ../shared/data)"
+                        f"CIFAR-10 is not in data.dir={cfg.data.dir} and could not be downloaded ({reason}); put "
+                        f"cifar-10-python.tar.gz there, or use data.name=imagefolder data.dir=PATH (e.g. ../shared/data; "
+                        f"make run-local DATA=PATH)"
                     ) from None
                 x = torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous()
                 splits.append(Split(x, torch.tensor(ds.targets, dtype=torch.int64), list(ds.classes)))
