@@ -139,14 +139,15 @@ def clean_temporaries(root: Path) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
-def load(path: str | Path) -> dict:
-    """Read a checkpoint (a step-N folder or its state.pt) with weights_only=True."""
+def load(path: str | Path, verify_checksum: bool = True) -> dict:
+    """Read a checkpoint (a step-N folder or its state.pt) with weights_only=True; its size and
+    checksum are checked first unless the caller already did (``verify_checksum=False``)."""
     p = Path(path)
     folder = p if p.is_dir() else p.parent
     state_file = p / STATE if p.is_dir() else p
     if not state_file.exists():
         raise CheckpointError(f"checkpoint {p} does not exist; pass a step-N folder from checkpoint.dir, or resume=auto")
-    if (folder / META).exists() and state_file.name == STATE:
+    if verify_checksum and (folder / META).exists() and state_file.name == STATE:
         verify(folder)
     try:
         state = torch.load(state_file, map_location="cpu", weights_only=True, mmap=True)

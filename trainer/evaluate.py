@@ -20,8 +20,9 @@ def preflight(cfg: Config) -> None:
     root = Path(cfg.checkpoint.dir)
     checkpoint.probe(root, 0)
     folder = checkpoint.explicit_resume(root, cfg.checkpoint.resume)
-    if cfg.checkpoint.resume == "auto" and checkpoint.complete(root):
-        folder = checkpoint.complete(root)[-1][1]
+    existing = checkpoint.complete(root) if cfg.checkpoint.resume == "auto" else []
+    if existing:
+        folder = existing[-1][1]
     if folder is not None:
         folder = folder if folder.is_dir() else folder.parent
         if (folder / checkpoint.META).is_file():

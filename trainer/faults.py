@@ -61,10 +61,9 @@ class StopFlag:
         self.rt, self.signal_name = rt, None
         self.lag = lag if rt.cuda and rt.distributed else 0
         self._pending: deque = deque()
-        self._previous = {}
         for sig in STOP_SIGNALS:
             try:
-                self._previous[sig] = signal.signal(sig, self._on_signal)
+                signal.signal(sig, self._on_signal)
             except ValueError:  # not the main thread (e.g. inside a test harness thread)
                 pass
         if rt.distributed:
@@ -101,7 +100,3 @@ class StopFlag:
         host, done = self._pending.popleft()
         done.synchronize()  # finished `lag` steps ago: no real wait
         return bool(host.item())
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)

@@ -158,7 +158,8 @@ def build(cfg: Config, rt: Runtime, started_at: float | None = None) -> Run:
     state = TrainState()
     ckpt = None
     if resumed_from is not None:
-        ckpt = checkpoint.load(resumed_from)
+        # rank 0 checked size and checksum when it chose this checkpoint (auto) or checks them now
+        ckpt = checkpoint.load(resumed_from, verify_checksum=rt.is_main and cfg.checkpoint.resume != "auto")
         _load_weights(model, ckpt, cfg, resumed_from)
         state = TrainState(ckpt["epoch"], ckpt["epoch_step"], ckpt["step"])
     if fast.channels_last and rt.strategy != "fsdp":
