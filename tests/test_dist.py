@@ -120,6 +120,14 @@ def test_multi_node_rendezvous_on_one_host(tmp_path, ckpt):
     assert "strategy ddp x2" in "".join(outs) and (ckpt / "step-16").is_dir()
 
 
+@pytest.mark.slow
+def test_legacy_torch_distributed_launch_still_works(ckpt):
+    """The article's launcher passes --local-rank=N to the module; it is accepted."""
+    p = run([sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node=2", f"--master_port={free_port()}", "-m", "trainer",
+             "train", *TINY, f"checkpoint.dir={ckpt}", "train.epochs=1"])
+    assert "strategy ddp x2" in p.stdout and (ckpt / "step-16").is_dir()
+
+
 def test_train_helper_runs_a_single_process(ckpt):
     train(ckpt, "train.epochs=1")
     assert (ckpt / "step-16").is_dir()
