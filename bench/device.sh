@@ -32,6 +32,7 @@ for part in "$@"; do
       name=${suite//,/-}
       python3 -m trainer bench --suite "$suite" --data "$DATA" --out "$OUT/$name" 2>&1 | tee "$OUT/$name.txt"
       tar -czf "$OUT/$name-logs.tgz" -C "$OUT/$name" logs 2>/dev/null
+      rm -rf "$OUT/$name/logs" "$OUT/$name/results.jsonl"   # at most 8 files come back from the machine
       ;;
     multinode)
       {

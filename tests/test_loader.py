@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -16,7 +17,7 @@ def rt(rank: int, world: int) -> Runtime:
 
 
 def labels_of(loader, epoch: int, start: int = 0) -> list[list[int]]:
-    return [y.tolist() for _, y in loader.epoch(epoch, start)]
+    return [y.tolist() for _, y, _ in loader.epoch(epoch, start)]
 
 
 def indexed_split(n: int):
@@ -40,8 +41,10 @@ def test_device_loader_matches_distributed_sampler_loader():
         for r in range(w):
             dev = DeviceLoader(split, rt(r, w), 10, seed=5)
             host = HostLoader(split, rt(r, w), 10, seed=5, num_workers=0)
-            for epoch in (0, 1):
+            for epoch in (0, 1):  # epoch 1 of the device loader comes from its look-ahead
                 assert labels_of(dev, epoch) == labels_of(host, epoch)
+            for (_, y, i), (_, y2, i2) in zip(dev.epoch(2), host.epoch(2), strict=True):
+                assert torch.equal(i, y) and torch.equal(i2, y2)  # the data-set indices of the batch
             assert labels_of(dev, 1, start=4) == labels_of(host, 1, start=4) == labels_of(dev, 1)[4:]
 
 
@@ -73,6 +76,45 @@ def test_random_crop_equals_padding_then_slicing():
         padded = F.pad(x.float(), (4, 4, 4, 4), mode=mode).to(torch.uint8)
         ref = torch.stack([padded[i, :, dy : dy + 32, dx : dx + 32] for i, (dy, dx) in enumerate(shift.tolist())])
         assert torch.equal(out, ref)
+
+
+def test_mirror_is_folded_into_the_crop():
+    x = torch.randint(0, 256, (6, 3, 32, 32), dtype=torch.uint8)
+    shift = torch.randint(0, 9, (6, 2))
+    mirror = torch.tensor([True, False, True, True, False, False])
+    for reflect in (False, True):
+        plain = random_crop(x, shift, 4, reflect)
+        assert torch.equal(random_crop(x, shift, 4, reflect, mirror), torch.where(mirror.view(-1, 1, 1, 1), plain.flip(3), plain))
+
+
+def test_alternating_flip_mirrors_each_image_every_other_epoch():
+    cfg = load_config(None, ["data.crop_padding=0", "data.flip_mode=alternate"])
+    x = torch.randint(0, 256, (400, 3, 32, 32), dtype=torch.uint8)
+    idx = torch.randperm(1000)[:400]
+    aug = Augment(cfg, rt(0, 1), channels_last=False)
+    plain = aug.normalize(x)
+    seen = []
+    for epoch in range(4):
+        out = aug.train(x, epoch, step=epoch * 3, idx=idx)
+        mirrored = torch.tensor([not torch.equal(out[i], plain[i]) for i in range(len(x))])
+        assert all(torch.equal(out[i], plain[i].flip(2)) for i in range(len(x)) if mirrored[i])
+        seen.append(mirrored)
+    assert 0.4 < seen[0].float().mean() < 0.6
+    assert torch.equal(seen[1], ~seen[0]) and torch.equal(seen[2], seen[0]) and torch.equal(seen[3], ~seen[0])
+    halves = [Augment(cfg, rt(r, 2), False).train(x[r::2], 1, 0, idx[r::2]) for r in range(2)]
+    assert torch.equal(halves[0], aug.train(x, 1, 0, idx)[0::2])  # the same image gets the same flip on any rank
+    with pytest.raises(ValueError, match="indices"):
+        aug.train(x, 0, 0)
+
+
+@pytest.mark.slow
+def test_compiled_augmentation_equals_eager():
+    cfg = load_config(None, ["data.crop_padding=2", "data.crop_mode=reflect"])
+    x = torch.randint(0, 256, (64, 3, 32, 32), dtype=torch.uint8)
+    eager = Augment(cfg, rt(0, 1), channels_last=True).train(x, 3, 5)
+    compiled = Augment(cfg, rt(0, 1), channels_last=True, compiled=True).train(x, 3, 5)
+    assert compiled.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
 
 
 def test_flip_and_normalise_statistics():

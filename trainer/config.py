@@ -71,7 +71,11 @@ class DataConfig:
     crop_mode: Literal["zeros", "reflect"] = "zeros"
     """How the random crop fills the border: zero padding or a mirror of the image."""
     flip: bool = True
-    """Random horizontal flips for training."""
+    """Horizontal flips for training."""
+    flip_mode: Literal["random", "alternate"] = "random"
+    """random: each image is mirrored with probability 1/2 in every epoch. alternate: a fixed random
+    half of the images is mirrored in even epochs and the other half in odd ones, so each image is
+    seen both ways in turn (airbench's alternating flip; helps short runs)."""
     device_resident: bool = True
     """Keep the whole uint8 data set in device memory (the GPU's, or the CPU's) and gather each
     batch there: no per-step host work. Off: a DataLoader with DistributedSampler, workers and

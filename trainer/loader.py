@@ -49,41 +49,74 @@ def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
 
 
 class Augment:
-    """uint8 batch -> normalised float batch, with random crop and flip for training."""
+    """uint8 batch -> normalised float batch, with random crop and flip for training.
 
-    def __init__(self, cfg: Config, rt: Runtime, channels_last: bool):
+    Crop, flip and normalisation are one gather plus arithmetic (``augment_batch``); with
+    ``compiled`` (the fast path's torch.compile) that is a single kernel per step instead of a
+    dozen small ones, which matters when a step is a few milliseconds."""
+
+    def __init__(self, cfg: Config, rt: Runtime, channels_last: bool, compiled: bool = False):
         self.pad, self.flip, self.seed = cfg.data.crop_padding, cfg.data.flip, cfg.train.seed
         self.reflect = cfg.data.crop_mode == "reflect"
+        self.alternate = cfg.data.flip_mode == "alternate"
         self.rt, self.channels_last = rt, channels_last
         self.mean = torch.tensor(CIFAR_MEAN, device=rt.device).view(1, 3, 1, 1) * 255
         self.inv_std = 1 / (torch.tensor(CIFAR_STD, device=rt.device).view(1, 3, 1, 1) * 255)
         self.gen = torch.Generator(device=rt.device)
+        self._kernel = torch.compile(augment_batch, dynamic=False) if compiled else augment_batch
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
-        x = (x.float() - self.mean) * self.inv_std
-        return x.contiguous(memory_format=torch.channels_last) if self.channels_last else x
+        return normalize(x, self.mean, self.inv_std, self.channels_last)
 
-    def train(self, x: torch.Tensor, epoch: int, step: int) -> torch.Tensor:
-        if self.pad or self.flip:
-            # Draw for the whole global batch and keep this rank's positions (r, r+W, ...), so the
-            # numbers do not depend on the world size. Seeding a generator is host-only: no sync.
-            self.gen.manual_seed(self.seed * 1_000_003 + epoch * 100_003 + step)
-            b, w, r = x.shape[0], self.rt.world_size, self.rt.rank
-            shift = torch.randint(0, 2 * self.pad + 1, (b * w, 2), generator=self.gen, device=x.device)[r::w]
+    def train(self, x: torch.Tensor, epoch: int, step: int, idx: torch.Tensor | None = None) -> torch.Tensor:
+        """``idx``: the images' indices in the data set (needed by flip_mode=alternate)."""
+        if not (self.pad or self.flip):
+            return self.normalize(x)
+        # Draw for the whole global batch and keep this rank's positions (r, r+W, ...), so the
+        # numbers do not depend on the world size. Seeding a generator is host-only: no sync.
+        self.gen.manual_seed(self.seed * 1_000_003 + epoch * 100_003 + step)
+        b, w, r = x.shape[0], self.rt.world_size, self.rt.rank
+        shift = torch.randint(0, 2 * self.pad + 1, (b * w, 2), generator=self.gen, device=x.device)[r::w]
+        if not self.flip:
+            mirror = torch.zeros(b, dtype=torch.bool, device=x.device)
+        elif self.alternate:
+            if idx is None:
+                raise ValueError("data.flip_mode=alternate needs the images' data-set indices")
+            mirror = alternate_mirror(idx, self.seed, epoch)
+        else:
             mirror = torch.rand(b * w, generator=self.gen, device=x.device)[r::w] < 0.5
-            if self.pad:
-                x = random_crop(x, shift, self.pad, self.reflect)
-            if self.flip:
-                x = torch.where(mirror.view(-1, 1, 1, 1), x.flip(3), x)
-        return self.normalize(x)
+        return self._kernel(x, shift, mirror, self.pad, self.reflect, self.mean, self.inv_std, self.channels_last)
 
 
-def random_crop(x: torch.Tensor, shift: torch.Tensor, pad: int, reflect: bool = False) -> torch.Tensor:
+def normalize(x: torch.Tensor, mean: torch.Tensor, inv_std: torch.Tensor, channels_last: bool) -> torch.Tensor:
+    x = (x.float() - mean) * inv_std
+    return x.contiguous(memory_format=torch.channels_last) if channels_last else x
+
+
+def augment_batch(x: torch.Tensor, shift: torch.Tensor, mirror: torch.Tensor, pad: int, reflect: bool,
+                  mean: torch.Tensor, inv_std: torch.Tensor, channels_last: bool) -> torch.Tensor:
+    """Random crop at ``shift``, horizontal mirror where ``mirror``, then normalise."""
+    return normalize(random_crop(x, shift, pad, reflect, mirror), mean, inv_std, channels_last)
+
+
+def alternate_mirror(idx: torch.Tensor, seed: int, epoch: int) -> torch.Tensor:
+    """Alternating flip (airbench): a fixed random half of the images is mirrored in even epochs and
+    the other half in odd ones, so every image is seen both ways, in turn, instead of the same way
+    several epochs running by chance. The bit per image is a multiplicative hash of its index."""
+    bit = (((idx + 7919 * seed) * 2654435761) >> 31) & 1
+    return (bit ^ (epoch & 1)).bool()
+
+
+def random_crop(x: torch.Tensor, shift: torch.Tensor, pad: int, reflect: bool = False, mirror: torch.Tensor | None = None) -> torch.Tensor:
     """Crop each image of ``x`` [B,C,H,W] from its padded copy at offsets ``shift`` [B,2] in
-    [0, 2*pad], in one gather: the padding is index arithmetic, never materialised."""
+    [0, 2*pad], and mirror the crops where ``mirror`` [B] is set, in one gather: the padding and
+    the flip are index arithmetic, never materialised."""
     b, c, h, w = x.shape
+    out_cols = torch.arange(w, device=x.device).expand(b, w)
+    if mirror is not None:
+        out_cols = torch.where(mirror.view(b, 1), w - 1 - out_cols, out_cols)  # column j reads w-1-j
     rows = shift[:, 0:1] - pad + torch.arange(h, device=x.device)  # source row of each output row
-    cols = shift[:, 1:2] - pad + torch.arange(w, device=x.device)
+    cols = shift[:, 1:2] - pad + out_cols
     if reflect:
         rows, cols = _mirror(rows, h), _mirror(cols, w)
         inside = None
@@ -108,17 +141,29 @@ class DeviceLoader:
         self.labels = split.labels.to(rt.device)
         self.rt, self.b, self.seed = rt, per_rank_batch, seed
         self.steps_per_epoch = len(split) // (per_rank_batch * rt.world_size)
+        self._ahead: dict[int, torch.Tensor] = {}
 
-    def epoch(self, epoch: int, start_step: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def indices(self, epoch: int) -> torch.Tensor:
+        """This rank's indices of ``epoch``, on the device (one small non-blocking copy)."""
         order = epoch_order(len(self.labels), self.seed, epoch)
         w, r = self.rt.world_size, self.rt.rank
         mine = order[: len(order) // w * w][r::w][: self.steps_per_epoch * self.b]
         if self.rt.cuda:
             mine = mine.pin_memory()
-        mine = mine.to(self.rt.device, non_blocking=True)  # one small copy per epoch
+        return mine.to(self.rt.device, non_blocking=True)
+
+    def epoch(self, epoch: int, start_step: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(images, labels, data-set indices) of each step."""
+        mine = self._ahead.pop(epoch, None)
+        if mine is None:
+            mine = self.indices(epoch)
         for step in range(start_step, self.steps_per_epoch):
             idx = mine[step * self.b : (step + 1) * self.b]
-            yield self.images[idx], self.labels[idx]
+            yield self.images[idx], self.labels[idx], idx
+            if step == start_step:
+                # The next epoch's order (a host randperm) while the GPU runs this one; at the epoch
+                # boundary the GPU would otherwise wait for it.
+                self._ahead = {epoch + 1: self.indices(epoch + 1)}
 
 
 class HostLoader:
@@ -128,16 +173,17 @@ class HostLoader:
         self.rt = rt
         self.sampler = ShardSampler(len(split), rt, seed, per_rank_batch)
         self.loader = DataLoader(
-            TensorDataset(split.images, split.labels), batch_size=per_rank_batch, sampler=self.sampler,
-            drop_last=True, num_workers=num_workers, pin_memory=rt.cuda, persistent_workers=num_workers > 0,
+            TensorDataset(split.images, split.labels, torch.arange(len(split))), batch_size=per_rank_batch,
+            sampler=self.sampler, drop_last=True, num_workers=num_workers, pin_memory=rt.cuda, persistent_workers=num_workers > 0,
         )
         self.steps_per_epoch = self.sampler.num_samples // per_rank_batch
 
-    def epoch(self, epoch: int, start_step: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def epoch(self, epoch: int, start_step: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(images, labels, data-set indices) of each step."""
         self.sampler.set_epoch(epoch)  # a new order every epoch (the article passed a constant here)
         self.sampler.start_step = start_step
-        for x, y in self.loader:
-            yield x.to(self.rt.device, non_blocking=True), y.to(self.rt.device, non_blocking=True)
+        for batch in self.loader:
+            yield tuple(t.to(self.rt.device, non_blocking=True) for t in batch)
 
 
 def make_train_loader(cfg: Config, rt: Runtime, split: Split, device_resident: bool):

@@ -70,18 +70,23 @@ class Lookahead:
         self.names = [n for n, p in model.named_parameters()] + [n for n, _ in model.named_buffers()]
         self.tensors = [p for _, p in model.named_parameters()] + [b for _, b in model.named_buffers()]
         self.slow = [t.detach().clone() for t in self.tensors]
+        pairs = list(zip(self.tensors, self.slow, strict=True))
+        self._fast = [f for f, _ in pairs if f.dtype.is_floating_point]
+        self._slow = [s for f, s in pairs if f.dtype.is_floating_point]
+        self._counters = [(f, s) for f, s in pairs if not f.dtype.is_floating_point]  # e.g. num_batches_tracked
 
     @torch.no_grad()
     def step(self, step: int, total: int) -> None:
         if step % self.every:
             return
         decay = 0.95**self.every * (step / total) ** 3
-        for fast, slow in zip(self.tensors, self.slow, strict=True):
-            if fast.dtype.is_floating_point:
-                slow.lerp_(fast, 1 - decay)
-            else:
-                slow.copy_(fast)
-            fast.copy_(slow)
+        # Two foreach launches over every float tensor instead of two small kernels per tensor: on
+        # the speed recipe a step is a few milliseconds, and Python launch time is part of it.
+        if self._fast:
+            torch._foreach_lerp_(self._slow, self._fast, 1 - decay)
+            torch._foreach_copy_(self._fast, self._slow)
+        for fast, slow in self._counters:
+            slow.copy_(fast)
 
     def state_dict(self) -> dict:
         return {n: s for n, s in zip(self.names, self.slow, strict=True)}

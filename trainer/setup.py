@@ -151,7 +151,7 @@ def build(cfg: Config, rt: Runtime, started_at: float | None = None) -> Run:
     if steps_per_epoch == 0:
         raise ConfigError(f"train.batch_size={cfg.train.batch_size} is larger than the training set ({len(train_split)} images); use a smaller batch")
 
-    augment = Augment(cfg, rt, fast.channels_last)
+    augment = Augment(cfg, rt, fast.channels_last, compiled=fast.compile)
     if hasattr(model, "init_from_data"):
         model.init_from_data(augment.normalize(train_split.images[:5000].to(rt.device)).cpu())
     model.to(rt.device)

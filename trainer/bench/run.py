@@ -7,6 +7,8 @@ table is printed and ``OUT/results.json`` and ``OUT/bench.png`` are written.
     trainer bench --suite article,seednet          # some suites
     trainer bench --suite recipes --data ../shared/data
 Suites: micro (bf16 matmul ceiling, all-reduce bandwidth), article (one GPU, DataParallel, DDP),
+ablation (the speed recipe's switches one at a time, and three more seeds), nccl (DDP at batch 64
+with 2, 4 and 8 NCCL channels),
 trace (DDP variants: step time and how much of the all-reduce overlaps compute),
 seednet (our trainer: batch 64 and 256 per GPU, DDP and FSDP, the fast path on and off), stall
 (async against sync checkpoint), recipes (the speed recipe on real data), resnet18 (the
@@ -28,6 +30,16 @@ from pathlib import Path
 
 SEEDNET_FLOP = 128.1e9  # per image per training step (6 x 21.35 G multiply-adds)
 PLAIN = ["train.precision=fp32", "model.compile=false", "model.channels_last=false", "data.device_resident=false", "optim.impl=loop"]
+
+
+# Each row turns one part of configs/fast.yaml off (or one thing on), against the recipe as shipped
+# (the recipes suite's fast-1gpu).
+ABLATION = [
+    ("random-flip", ["data.flip_mode=random"]),
+    ("no-lookahead", ["optim.ema_every=0"]),
+    ("eager", ["model.compile=false"]),
+    ("cudagraphs", ["model.compile_mode=reduce-overhead"]),
+]
 
 
 def cmd_for(gpus: int, module: str, args: list[str]) -> list[str]:
@@ -57,19 +69,20 @@ def append(out: Path, record: dict) -> None:
         fh.write(json.dumps(record) + "\n")
 
 
-def ours(out: Path, tmp: Path, name: str, gpus: int, batch_per_gpu: int, extra: list[str], steps: int = 60, config: str = "configs/seed.yaml") -> None:
+def ours(out: Path, tmp: Path, name: str, gpus: int, batch_per_gpu: int, extra: list[str], steps: int = 60, config: str = "configs/seed.yaml",
+         env: dict | None = None) -> None:
     """Our trainer on synthetic data; steady images/s from the log windows after the first."""
     ck = tmp / name
     args = ["train", "--config", config, "data.name=synthetic", f"data.synthetic_train_size={max(4096, batch_per_gpu * gpus * (steps + 2))}",
             "data.synthetic_test_size=1000", f"train.batch_size={batch_per_gpu * gpus}", f"train.max_steps={steps}", "train.log_every=10",
             f"checkpoint.dir={ck}", "checkpoint.every_epochs=0", "train.plot=false", "train.epochs=1", *extra]
-    code, _ = run_case(name, cmd_for(gpus, "trainer", args), out, timeout=240)
+    code, _ = run_case(name, cmd_for(gpus, "trainer", args), out, timeout=240, env=env)
     rows = [json.loads(line) for line in (ck / "metrics.jsonl").read_text().splitlines()] if (ck / "metrics.jsonl").exists() else []
     shutil.rmtree(ck, ignore_errors=True)  # 2.4 GB checkpoints in /dev/shm
     windows = [r["images_per_s"] for r in rows if r.get("event") == "log"][1:]
     first = next((r["seconds"] for r in rows if r.get("event") == "first_step"), None)
     append(out, {"run": name, "gpus": gpus, "batch_per_gpu": batch_per_gpu, "exit": code, "first_step_s": first,
-                 "images_per_s": statistics.median(windows) if windows else None, "windows": windows, "overrides": extra})
+                 "images_per_s": statistics.median(windows) if windows else None, "windows": windows, "overrides": extra, "env": env or {}})
 
 
 def recipe(out: Path, tmp: Path, name: str, gpus: int, config: str, data: str, extra: list[str], target: float = 0.906) -> None:
@@ -79,6 +92,7 @@ def recipe(out: Path, tmp: Path, name: str, gpus: int, config: str, data: str, e
             f"checkpoint.dir={ck}", "train.plot=false", *extra]
     code, _ = run_case(name, cmd_for(gpus, "trainer", args), out, timeout=900)
     rows = [json.loads(line) for line in (ck / "metrics.jsonl").read_text().splitlines()] if (ck / "metrics.jsonl").exists() else []
+    shutil.rmtree(ck, ignore_errors=True)
     epochs = [r for r in rows if r.get("event") == "epoch"]
     elapsed, reached = 0.0, None
     for r in epochs:
@@ -86,7 +100,7 @@ def recipe(out: Path, tmp: Path, name: str, gpus: int, config: str, data: str, e
         if reached is None and r.get("test_acc") is not None and r["test_acc"] >= target:
             reached = elapsed
     data_share = [r["data_ms_per_step"] / r["step_ms_per_step"] for r in epochs if r.get("step_ms_per_step")]
-    append(out, {"run": name, "gpus": gpus, "exit": code, "epochs": len(epochs), "train_seconds": round(elapsed, 3),
+    append(out, {"run": name, "gpus": gpus, "exit": code, "overrides": extra, "epochs": len(epochs), "train_seconds": round(elapsed, 3),
                  "final_test_acc": epochs[-1]["test_acc"] if epochs else None, "target": target, "seconds_to_target": reached,
                  "data_share_of_step": statistics.mean(data_share) if data_share else None,
                  "images_per_s": statistics.median([r["images_per_s"] for r in epochs]) if epochs else None,
@@ -125,6 +139,17 @@ def suites(args, out: Path, tmp: Path, gpus: int) -> None:
         recipe(out, tmp, "fast-1gpu", 1, "configs/fast.yaml", data, [])
         if gpus > 1:
             recipe(out, tmp, "fast-2gpu", gpus, "configs/fast.yaml", data, [])
+    if "ablation" in chosen:  # the speed recipe's switches one at a time, and seeds (one GPU)
+        data = args.data or "../shared/data"
+        for name, extra in ABLATION:
+            recipe(out, tmp, f"fast-{name}", 1, "configs/fast.yaml", data, extra)
+        for seed in (1, 2, 3):
+            recipe(out, tmp, f"fast-seed{seed}", 1, "configs/fast.yaml", data, [f"train.seed={seed}"])
+        if gpus > 1:
+            recipe(out, tmp, "fast-2gpu-cudagraphs", gpus, "configs/fast.yaml", data, ["model.compile_mode=reduce-overhead"])
+    if "nccl" in chosen and gpus > 1:  # fewer NCCL channels leave more SMs to the backward it overlaps
+        for channels in (2, 4, 8):
+            ours(out, tmp, f"ours-ddp-b64-nccl{channels}ch", gpus, 64, [], env={"NCCL_MAX_NCHANNELS": str(channels)})
     if "resnet18" in chosen:
         recipe(out, tmp, "resnet18", gpus, "configs/default.yaml", args.data or "../shared/data", [f"train.epochs={args.resnet_epochs}"])
 
