@@ -62,7 +62,7 @@ def tinynet(num_classes: int = 10) -> nn.Module:
 
 # --------------------------------------------------------------------------------------------
 # airnet: the speed recipe's network. Published techniques (Page's DAWNBench ResNet, tysam-code's
-# hlb-cifar10, Jordan's airbench): a frozen 2x2 whitening conv initialised from the data, three
+# hlb-cifar10, Jordan's airbench): a frozen 2x2 whitening conv initialised from the data and a GELU, three
 # conv-pool-BN-GELU blocks with identity-initialised convs, BN with frozen scale, and a scaled,
 # bias-free linear head.
 
@@ -107,7 +107,7 @@ class AirNet(nn.Module):
         self.whiten.weight.copy_(torch.cat([filt, -filt]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.blocks(self.whiten(x))
+        x = self.blocks(F.gelu(self.whiten(x)))
         x = F.adaptive_max_pool2d(x, 1).flatten(1)
         return self.head(x) * self.scale
 
