@@ -49,54 +49,59 @@ def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
 
 
 class Augment:
-    """uint8 batch -> normalised float batch, with random crop and flip for training.
+    """uint8 images -> normalised float images, with random crop and flip for training.
 
-    Crop, flip and normalisation are one gather plus arithmetic (``augment_batch``); with
-    ``compiled`` (the fast path's torch.compile) that is a single kernel per step instead of a
-    dozen small ones, which matters when a step is a few milliseconds."""
+    The random numbers of a whole epoch are drawn at once from ``(seed, epoch)`` for every global
+    position (step k, place j in the global batch), and each rank keeps its own positions, so an
+    image's crop and flip depend on neither the world size nor on how many steps are augmented
+    in one call: the device loader augments a whole epoch in one go (a dozen kernels per epoch
+    instead of per step), the host loader one step at a time, and both give the same batches.
+    """
 
-    def __init__(self, cfg: Config, rt: Runtime, channels_last: bool, compiled: bool = False):
+    def __init__(self, cfg: Config, rt: Runtime, channels_last: bool, per_rank_batch: int = 0, steps_per_epoch: int = 0):
         self.pad, self.flip, self.seed = cfg.data.crop_padding, cfg.data.flip, cfg.train.seed
         self.reflect = cfg.data.crop_mode == "reflect"
         self.alternate = cfg.data.flip_mode == "alternate"
         self.rt, self.channels_last = rt, channels_last
+        self.b, self.steps = per_rank_batch, steps_per_epoch
         self.mean = torch.tensor(CIFAR_MEAN, device=rt.device).view(1, 3, 1, 1) * 255
         self.inv_std = 1 / (torch.tensor(CIFAR_STD, device=rt.device).view(1, 3, 1, 1) * 255)
-        self.gen = torch.Generator(device=rt.device)
-        self._kernel = torch.compile(augment_batch, dynamic=False) if compiled else augment_batch
+        self._drawn: tuple[int, torch.Tensor, torch.Tensor] | None = None
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         return normalize(x, self.mean, self.inv_std, self.channels_last)
 
-    def train(self, x: torch.Tensor, epoch: int, step: int, idx: torch.Tensor | None = None) -> torch.Tensor:
-        """``idx``: the images' indices in the data set (needed by flip_mode=alternate)."""
+    def draws(self, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's crop offsets [steps, b, 2] and coin flips [steps, b] of ``epoch``."""
+        if self._drawn is None or self._drawn[0] != epoch:
+            gen = torch.Generator(device=self.rt.device).manual_seed(self.seed * 1_000_003 + epoch)
+            w, r, shape = self.rt.world_size, self.rt.rank, (self.steps, self.b * self.rt.world_size)
+            shift = torch.randint(0, 2 * self.pad + 1, (*shape, 2), generator=gen, device=self.rt.device)[:, r::w]
+            coin = torch.rand(shape, generator=gen, device=self.rt.device)[:, r::w] < 0.5
+            self._drawn = (epoch, shift, coin)
+        return self._drawn[1], self._drawn[2]
+
+    def train(self, x: torch.Tensor, epoch: int, step: int, idx: torch.Tensor) -> torch.Tensor:
+        """Augment ``x``: this rank's images of steps ``step``, ``step + 1``, ... (a whole number of
+        per-rank batches); ``idx`` are their indices in the data set (for flip_mode=alternate)."""
         if not (self.pad or self.flip):
             return self.normalize(x)
-        # Draw for the whole global batch and keep this rank's positions (r, r+W, ...), so the
-        # numbers do not depend on the world size. Seeding a generator is host-only: no sync.
-        self.gen.manual_seed(self.seed * 1_000_003 + epoch * 100_003 + step)
-        b, w, r = x.shape[0], self.rt.world_size, self.rt.rank
-        shift = torch.randint(0, 2 * self.pad + 1, (b * w, 2), generator=self.gen, device=x.device)[r::w]
+        n = len(x) // self.b
+        if n * self.b != len(x) or step + n > self.steps:
+            raise ValueError(f"augment {len(x)} images from step {step}: expected whole batches of {self.b} within {self.steps} steps")
+        shift, coin = (t[step : step + n].flatten(0, 1) for t in self.draws(epoch))
         if not self.flip:
-            mirror = torch.zeros(b, dtype=torch.bool, device=x.device)
+            mirror = torch.zeros_like(coin)
         elif self.alternate:
-            if idx is None:
-                raise ValueError("data.flip_mode=alternate needs the images' data-set indices")
             mirror = alternate_mirror(idx, self.seed, epoch)
         else:
-            mirror = torch.rand(b * w, generator=self.gen, device=x.device)[r::w] < 0.5
-        return self._kernel(x, shift, mirror, self.pad, self.reflect, self.mean, self.inv_std, self.channels_last)
+            mirror = coin
+        return normalize(random_crop(x, shift, self.pad, self.reflect, mirror), self.mean, self.inv_std, self.channels_last)
 
 
 def normalize(x: torch.Tensor, mean: torch.Tensor, inv_std: torch.Tensor, channels_last: bool) -> torch.Tensor:
     x = (x.float() - mean) * inv_std
     return x.contiguous(memory_format=torch.channels_last) if channels_last else x
-
-
-def augment_batch(x: torch.Tensor, shift: torch.Tensor, mirror: torch.Tensor, pad: int, reflect: bool,
-                  mean: torch.Tensor, inv_std: torch.Tensor, channels_last: bool) -> torch.Tensor:
-    """Random crop at ``shift``, horizontal mirror where ``mirror``, then normalise."""
-    return normalize(random_crop(x, shift, pad, reflect, mirror), mean, inv_std, channels_last)
 
 
 def alternate_mirror(idx: torch.Tensor, seed: int, epoch: int) -> torch.Tensor:
@@ -134,13 +139,18 @@ def _mirror(i: torch.Tensor, n: int) -> torch.Tensor:
 
 
 class DeviceLoader:
-    """The whole uint8 training set on ``rt.device``; each step gathers this rank's indices."""
+    """The whole uint8 training set on ``rt.device``. Each epoch gathers this rank's images and
+    augments them in chunks of many steps (the whole epoch for CIFAR-10), so a step only slices:
+    no kernels and no host work per step for the input."""
 
-    def __init__(self, split: Split, rt: Runtime, per_rank_batch: int, seed: int):
+    def __init__(self, split: Split, rt: Runtime, per_rank_batch: int, seed: int, augment: Augment | None = None,
+                 chunk_bytes: int = 1 << 30):
         self.images = split.images.to(rt.device)
         self.labels = split.labels.to(rt.device)
-        self.rt, self.b, self.seed = rt, per_rank_batch, seed
+        self.rt, self.b, self.seed, self.augment = rt, per_rank_batch, seed, augment
         self.steps_per_epoch = len(split) // (per_rank_batch * rt.world_size)
+        float_batch = per_rank_batch * split.images[0].numel() * 4
+        self.chunk_steps = max(1, min(self.steps_per_epoch, chunk_bytes // float_batch))  # bounds the float copy
         self._ahead: dict[int, torch.Tensor] = {}
 
     def indices(self, epoch: int) -> torch.Tensor:
@@ -153,24 +163,32 @@ class DeviceLoader:
         return mine.to(self.rt.device, non_blocking=True)
 
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """(images, labels, data-set indices) of each step."""
+        """(images, labels, data-set indices) of each step; images augmented and normalised when
+        the loader has an Augment, else uint8 as stored."""
         mine = self._ahead.pop(epoch, None)
         if mine is None:
             mine = self.indices(epoch)
-        for step in range(start_step, self.steps_per_epoch):
-            idx = mine[step * self.b : (step + 1) * self.b]
-            yield self.images[idx], self.labels[idx], idx
-            if step == start_step:
-                # The next epoch's order (a host randperm) while the GPU runs this one; at the epoch
-                # boundary the GPU would otherwise wait for it.
-                self._ahead = {epoch + 1: self.indices(epoch + 1)}
+        b = self.b
+        for first in range(start_step, self.steps_per_epoch, self.chunk_steps):
+            last = min(first + self.chunk_steps, self.steps_per_epoch)
+            idx = mine[first * b : last * b]
+            x = self.images[idx]
+            if self.augment is not None:
+                x = self.augment.train(x, epoch, first, idx)
+            y = self.labels[idx]
+            for k in range(last - first):
+                yield x[k * b : (k + 1) * b], y[k * b : (k + 1) * b], idx[k * b : (k + 1) * b]
+                if first == start_step and k == 0:
+                    # The next epoch's order (a host randperm) while the GPU runs this one; at the
+                    # epoch boundary the GPU would otherwise wait for it.
+                    self._ahead = {epoch + 1: self.indices(epoch + 1)}
 
 
 class HostLoader:
     """DataLoader + DistributedSampler over host memory, copied to the device per step."""
 
-    def __init__(self, split: Split, rt: Runtime, per_rank_batch: int, seed: int, num_workers: int):
-        self.rt = rt
+    def __init__(self, split: Split, rt: Runtime, per_rank_batch: int, seed: int, num_workers: int, augment: Augment | None = None):
+        self.rt, self.augment = rt, augment
         self.sampler = ShardSampler(len(split), rt, seed, per_rank_batch)
         self.loader = DataLoader(
             TensorDataset(split.images, split.labels, torch.arange(len(split))), batch_size=per_rank_batch,
@@ -179,18 +197,21 @@ class HostLoader:
         self.steps_per_epoch = self.sampler.num_samples // per_rank_batch
 
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """(images, labels, data-set indices) of each step."""
+        """(images, labels, data-set indices) of each step, as DeviceLoader gives them."""
         self.sampler.set_epoch(epoch)  # a new order every epoch (the article passed a constant here)
         self.sampler.start_step = start_step
-        for batch in self.loader:
-            yield tuple(t.to(self.rt.device, non_blocking=True) for t in batch)
+        for step, batch in enumerate(self.loader, start=start_step):
+            x, y, idx = (t.to(self.rt.device, non_blocking=True) for t in batch)
+            if self.augment is not None:
+                x = self.augment.train(x, epoch, step, idx)
+            yield x, y, idx
 
 
-def make_train_loader(cfg: Config, rt: Runtime, split: Split, device_resident: bool):
+def make_train_loader(cfg: Config, rt: Runtime, split: Split, device_resident: bool, augment: Augment):
     b = rt.per_rank_batch(cfg.train.batch_size)
     if device_resident:
-        return DeviceLoader(split, rt, b, cfg.train.seed)
-    return HostLoader(split, rt, b, cfg.train.seed, cfg.data.num_workers)
+        return DeviceLoader(split, rt, b, cfg.train.seed, augment)
+    return HostLoader(split, rt, b, cfg.train.seed, cfg.data.num_workers, augment)
 
 
 def eval_shard(n: int, rt: Runtime) -> range:

@@ -89,13 +89,12 @@ class Trainer:
             self.warm_up()
 
     def warm_up(self) -> None:
-        """Compile before the clock starts: the augmentation, then one forward and backward on a
-        real batch; the weights, buffers (batch-norm statistics) and gradients are then put back as
-        they were. (The augmentation draws from its own generator: no random state moves.)"""
+        """Compile before the clock starts: one forward and backward on a real batch, then the
+        weights, buffers (batch-norm statistics) and gradients are put back as they were."""
         r = self.r
         saved = {k: v.detach().clone() for k, v in r.model.state_dict().items()}
         b = self.rt.per_rank_batch(self.cfg.train.batch_size)
-        x = r.augment.train(r.train_split.images[:b].to(self.rt.device), 0, 0, torch.arange(b, device=self.rt.device))
+        x = r.augment.normalize(r.train_split.images[:b].to(self.rt.device))
         y = r.train_split.labels[:b].to(self.rt.device)
         r.net.train()
         _ = self.forward_backward(x, y).item()
@@ -136,12 +135,11 @@ class Trainer:
         batches = r.loader.epoch(epoch, st.epoch_step)
         while True:
             d0 = self.timer.mark()
-            batch = next(batches, None)
+            batch = next(batches, None)  # augmented on the device: by the epoch, or by the step from host memory
             if batch is None:
                 break
-            x = r.augment.train(batch[0], epoch, st.epoch_step, batch[2])
             d1 = self.timer.mark()
-            loss = self.train_step(x, batch[1])
+            loss = self.train_step(batch[0], batch[1])
             self.timer.add(d0, d1, self.timer.mark())
             st.step += 1
             st.epoch_step += 1

@@ -151,7 +151,7 @@ def build(cfg: Config, rt: Runtime, started_at: float | None = None) -> Run:
     if steps_per_epoch == 0:
         raise ConfigError(f"train.batch_size={cfg.train.batch_size} is larger than the training set ({len(train_split)} images); use a smaller batch")
 
-    augment = Augment(cfg, rt, fast.channels_last, compiled=fast.compile)
+    augment = Augment(cfg, rt, fast.channels_last, rt.per_rank_batch(cfg.train.batch_size), steps_per_epoch)
     if hasattr(model, "init_from_data"):
         model.init_from_data(augment.normalize(train_split.images[:5000].to(rt.device)).cpu())
     model.to(rt.device)
@@ -183,7 +183,7 @@ def build(cfg: Config, rt: Runtime, started_at: float | None = None) -> Run:
         cfg=cfg, rt=rt, fast=fast, root=root, state=state, train_split=train_split, test_split=test_split,
         model=model, eval_model=model, net=net, optimizer=optimizer, schedule=schedule, lookahead=lookahead,
         criterion=nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing),
-        loader=make_train_loader(cfg, rt, train_split, fast.device_resident), augment=augment,
+        loader=make_train_loader(cfg, rt, train_split, fast.device_resident, augment), augment=augment,
         steps_per_epoch=steps_per_epoch, total_steps=total, stop=StopFlag(rt),
         writer=checkpoint.AsyncWriter() if fast.async_save and rt.is_main else None,
         log=RunLog(root, rt), say=say, resumed_from=resumed_from, started_at=started_at,

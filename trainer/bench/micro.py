@@ -82,8 +82,8 @@ def stall(overrides: list[str]) -> None:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(n):
-            x, y, idx = next(batches)
-            trainer.train_step(run.augment.train(x, 0, run.state.step, idx), y)
+            x, y, _ = next(batches)
+            trainer.train_step(x, y)
             run.state.step += 1
         torch.cuda.synchronize()
         return (time.perf_counter() - t0) / n
