@@ -89,16 +89,22 @@ class Trainer:
             self.warm_up()
 
     def warm_up(self) -> None:
-        """Compile before the clock starts: one forward and backward on a real batch, then the
-        weights, buffers (batch-norm statistics) and gradients are put back as they were."""
+        """Compile before the clock starts: forward and backward on a real batch (three times when
+        the compile mode uses CUDA graphs: cudagraph trees run once, then record, then replay),
+        then the weights, buffers (batch-norm statistics) and gradients are put back as they were.
+        One augmentation too: the first launch of each CUDA kernel loads its module (lazy loading,
+        tens of milliseconds in all), which the first epoch's input pipeline would otherwise pay.
+        It draws the epoch-0 numbers that training then uses: no random state moves."""
         r = self.r
         saved = {k: v.detach().clone() for k, v in r.model.state_dict().items()}
         b = self.rt.per_rank_batch(self.cfg.train.batch_size)
-        x = r.augment.normalize(r.train_split.images[:b].to(self.rt.device))
+        images = r.train_split.images[:b].to(self.rt.device)
+        x = r.augment.train(images, 0, 0, torch.arange(b, device=self.rt.device))
         y = r.train_split.labels[:b].to(self.rt.device)
         r.net.train()
-        _ = self.forward_backward(x, y).item()
-        r.optimizer.zero_grad(set_to_none=True)
+        for _ in range(3 if "overhead" in self.cfg.model.compile_mode else 1):
+            _ = self.forward_backward(x, y).item()
+            r.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
             for k, v in r.model.state_dict().items():
                 v.copy_(saved[k])

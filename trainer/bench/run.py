@@ -93,6 +93,8 @@ def recipe(out: Path, tmp: Path, name: str, gpus: int, config: str, data: str, e
             f"checkpoint.dir={ck}", "train.plot=false", *extra]
     code, _ = run_case(name, cmd_for(gpus, "trainer", args), out, timeout=900)
     rows = [json.loads(line) for line in (ck / "metrics.jsonl").read_text().splitlines()] if (ck / "metrics.jsonl").exists() else []
+    if rows:
+        shutil.copy(ck / "metrics.jsonl", out / "logs" / f"{name}.metrics.jsonl")
     shutil.rmtree(ck, ignore_errors=True)
     epochs = [r for r in rows if r.get("event") == "epoch"]
     elapsed, reached = 0.0, None
@@ -100,10 +102,13 @@ def recipe(out: Path, tmp: Path, name: str, gpus: int, config: str, data: str, e
         elapsed += r["train_seconds"]
         if reached is None and r.get("test_acc") is not None and r["test_acc"] >= target:
             reached = elapsed
-    data_share = [r["data_ms_per_step"] / r["step_ms_per_step"] for r in epochs if r.get("step_ms_per_step")]
+    timed = [r for r in epochs if r.get("step_ms_per_step")]
+    data_ms = sum(r["data_ms_per_step"] * r["steps"] for r in timed)
+    step_ms = sum(r["step_ms_per_step"] * r["steps"] for r in timed)
     append(out, {"run": name, "gpus": gpus, "exit": code, "overrides": extra, "epochs": len(epochs), "train_seconds": round(elapsed, 3),
                  "final_test_acc": epochs[-1]["test_acc"] if epochs else None, "target": target, "seconds_to_target": reached,
-                 "data_share_of_step": statistics.mean(data_share) if data_share else None,
+                 "data_share_of_step": data_ms / step_ms if step_ms else None,  # all steps' data time / their step time
+                 "epoch_seconds": [r["train_seconds"] for r in epochs],
                  "images_per_s": statistics.median([r["images_per_s"] for r in epochs]) if epochs else None,
                  "first_step_s": next((r["seconds"] for r in rows if r.get("event") == "first_step"), None)})
 
