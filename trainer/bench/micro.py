@@ -4,6 +4,7 @@ checkpoint stall of an asynchronous save against a synchronous one in the same r
     python -m trainer.bench.micro matmul
     torchrun --nproc-per-node 2 -m trainer.bench.micro allreduce
     python -m trainer.bench.micro stall key=value...        # seednet by default
+    python -m trainer.bench.micro augment                   # the input pipeline's GPU time
 """
 
 from __future__ import annotations
@@ -102,6 +103,24 @@ def stall(overrides: list[str]) -> None:
           "sync_stall_s": sync_stall, "step_ms": base * 1e3, "step_ms_during_write": during * 1e3})
 
 
+def augment() -> None:
+    """GPU time of augmenting a whole CIFAR-sized epoch at once (the device loader's work per
+    epoch), and of one 512-image step, for both crop modes."""
+    from trainer.config import load_config
+    from trainer.dist import Runtime
+    from trainer.loader import Augment
+
+    rt = Runtime("single", 0, 0, 1, 1, torch.device("cuda"), None)
+    images = torch.randint(0, 256, (50_000, 3, 32, 32), dtype=torch.uint8, device="cuda")
+    idx = torch.arange(49_664, device="cuda")  # 97 steps of 512
+    for mode in ("zeros", "reflect"):
+        cfg = load_config(None, [f"data.crop_mode={mode}", "data.crop_padding=4" if mode == "zeros" else "data.crop_padding=2"])
+        aug = Augment(cfg, rt, channels_last=True, per_rank_batch=512, steps_per_epoch=97)
+        epoch = timed(lambda aug=aug: aug.train(images[idx], 0, 0, idx), reps=10)
+        step = timed(lambda aug=aug: aug.train(images[idx[:512]], 0, 5, idx[:512]), reps=20)
+        emit({"run": f"augment-{mode}", "epoch_ms": epoch * 1e3, "step_512_ms": step * 1e3, "images": len(idx)})
+
+
 if __name__ == "__main__":
     what = sys.argv[1]
-    {"matmul": lambda: matmul(), "allreduce": lambda: allreduce(), "stall": lambda: stall(sys.argv[2:])}[what]()
+    {"matmul": lambda: matmul(), "allreduce": lambda: allreduce(), "stall": lambda: stall(sys.argv[2:]), "augment": lambda: augment()}[what]()
