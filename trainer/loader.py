@@ -1,18 +1,19 @@
-"""Batches: the epoch order, rank shards, augmentation on whole batches, and the test shards.
+"""Batches: the epoch order, rank shards, augmentation on the device, and the test shards.
 
 Two loaders give the same batches (the tests check it):
 
-* ``DeviceLoader`` (default on GPUs): the uint8 data set lives on the device; a step is one
-  gather. No host work per step, so the input pipeline never waits on Python or PCIe.
+* ``DeviceLoader`` (default on GPUs): the uint8 data set lives on the device; each epoch is
+  gathered and augmented at once (in chunks for big sets), and a step only takes a slice. No
+  kernels and no host work per step, so the input pipeline never waits on Python or PCIe.
 * ``HostLoader``: a DataLoader over DistributedSampler with pinned memory and non-blocking
-  copies, for data that should stay in host memory.
+  copies, for data that should stay in host memory; it augments each batch on the device.
 
 Both follow DistributedSampler's order: one permutation per epoch from ``seed + epoch``
 (``set_epoch`` every epoch, so the order changes), rank r takes every world-size-th index.
 Global batch k is then the same images whatever the world size, which is what lets a job resume
-on another number of GPUs. Augmentation (random crop with padding, horizontal flip) runs on the
-whole batch on the device, with random numbers drawn for the global batch from
-``(seed, epoch, step)``: a resumed run draws the same ones.
+on another number of GPUs. Augmentation (random crop with padding, horizontal flip) draws its
+random numbers for every global position of the epoch from ``(seed, epoch)``: a resumed run, or
+one on another number of GPUs, draws the same ones.
 """
 
 from __future__ import annotations
