@@ -70,7 +70,8 @@ class Augment:
         self._drawn: tuple[int, torch.Tensor, torch.Tensor] | None = None
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
-        return normalize(x, self.mean, self.inv_std, self.channels_last)
+        x = (x.float() - self.mean) * self.inv_std
+        return x.contiguous(memory_format=torch.channels_last) if self.channels_last else x
 
     def draws(self, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's crop offsets [steps, b, 2] and coin flips [steps, b] of ``epoch``."""
@@ -91,18 +92,10 @@ class Augment:
         if n * self.b != len(x) or step + n > self.steps:
             raise ValueError(f"augment {len(x)} images from step {step}: expected whole batches of {self.b} within {self.steps} steps")
         shift, coin = (t[step : step + n].flatten(0, 1) for t in self.draws(epoch))
-        if not self.flip:
-            mirror = torch.zeros_like(coin)
-        elif self.alternate:
-            mirror = alternate_mirror(idx, self.seed, epoch)
-        else:
-            mirror = coin
-        return normalize(random_crop(x, shift, self.pad, self.reflect, mirror), self.mean, self.inv_std, self.channels_last)
-
-
-def normalize(x: torch.Tensor, mean: torch.Tensor, inv_std: torch.Tensor, channels_last: bool) -> torch.Tensor:
-    x = (x.float() - mean) * inv_std
-    return x.contiguous(memory_format=torch.channels_last) if channels_last else x
+        mirror = None
+        if self.flip:
+            mirror = alternate_mirror(idx, self.seed, epoch) if self.alternate else coin
+        return self.normalize(random_crop(x, shift, self.pad, self.reflect, mirror))
 
 
 def alternate_mirror(idx: torch.Tensor, seed: int, epoch: int) -> torch.Tensor:

@@ -90,7 +90,8 @@ class Trainer:
 
     def warm_up(self) -> None:
         """Compile before the clock starts: forward and backward on a real batch (three times when
-        the compile mode uses CUDA graphs: cudagraph trees run once, then record, then replay),
+        the compile mode uses CUDA graphs, as reduce-overhead and max-autotune do: cudagraph trees
+        run once, then record, then replay),
         then the weights, buffers (batch-norm statistics) and gradients are put back as they were.
         One augmentation too: the first launch of each CUDA kernel loads its module (lazy loading,
         tens of milliseconds in all), which the first epoch's input pipeline would otherwise pay.
@@ -98,11 +99,11 @@ class Trainer:
         r = self.r
         saved = {k: v.detach().clone() for k, v in r.model.state_dict().items()}
         b = self.rt.per_rank_batch(self.cfg.train.batch_size)
-        images = r.train_split.images[:b].to(self.rt.device)
-        x = r.augment.train(images, 0, 0, torch.arange(b, device=self.rt.device))
+        x = r.augment.train(r.train_split.images[:b].to(self.rt.device), 0, 0, torch.arange(b, device=self.rt.device))
         y = r.train_split.labels[:b].to(self.rt.device)
         r.net.train()
-        for _ in range(3 if "overhead" in self.cfg.model.compile_mode else 1):
+        cudagraphs = self.cfg.model.compile_mode in ("reduce-overhead", "max-autotune")
+        for _ in range(3 if cudagraphs else 1):
             _ = self.forward_backward(x, y).item()
             r.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():

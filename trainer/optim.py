@@ -68,9 +68,9 @@ class Lookahead:
     def __init__(self, model: nn.Module, every: int):
         self.every = every
         self.names = [n for n, p in model.named_parameters()] + [n for n, _ in model.named_buffers()]
-        self.tensors = [p for _, p in model.named_parameters()] + [b for _, b in model.named_buffers()]
-        self.slow = [t.detach().clone() for t in self.tensors]
-        pairs = list(zip(self.tensors, self.slow, strict=True))
+        tensors = [p for _, p in model.named_parameters()] + [b for _, b in model.named_buffers()]
+        self.slow = [t.detach().clone() for t in tensors]
+        pairs = list(zip(tensors, self.slow, strict=True))
         self._fast = [f for f, _ in pairs if f.dtype.is_floating_point]
         self._slow = [s for f, s in pairs if f.dtype.is_floating_point]
         self._counters = [(f, s) for f, s in pairs if not f.dtype.is_floating_point]  # e.g. num_batches_tracked

@@ -115,6 +115,7 @@ def recipe(out: Path, tmp: Path, name: str, gpus: int, config: str, data: str, e
 
 def suites(args, out: Path, tmp: Path, gpus: int) -> None:
     chosen = set(args.suite.split(","))
+    data = args.data or "../shared/data"
     if "micro" in chosen:
         run_case("matmul", [sys.executable, "-m", "trainer.bench.micro", "matmul"], out, 300)
         if gpus > 1:
@@ -141,24 +142,22 @@ def suites(args, out: Path, tmp: Path, gpus: int) -> None:
         run_case("stall", [sys.executable, "-m", "trainer.bench.micro", "stall", f"checkpoint.dir={tmp / 'stall'}"], out, 600,
                  env={"BENCH_TMP": str(tmp)})
     if "recipes" in chosen:
-        data = args.data or "../shared/data"
         recipe(out, tmp, "fast-1gpu", 1, "configs/fast.yaml", data, [])
         if gpus > 1:
             recipe(out, tmp, "fast-2gpu", gpus, "configs/fast.yaml", data, [])
-    if "ablation" in chosen:  # the speed recipe's switches one at a time, and seeds (one GPU)
-        data = args.data or "../shared/data"
+    if "ablation" in chosen:  # the speed recipe's switches one at a time (one GPU)
         for name, extra in ABLATION:
             recipe(out, tmp, f"fast-{name}", 1, "configs/fast.yaml", data, extra)
         if gpus > 1:
             recipe(out, tmp, "fast-2gpu-no-cudagraphs", gpus, "configs/fast.yaml", data, ["model.compile_mode=default"])
     if "seeds" in chosen:  # the shipped recipe on three more seeds (one GPU): its spread
         for seed in (1, 2, 3):
-            recipe(out, tmp, f"fast-seed{seed}", 1, "configs/fast.yaml", args.data or "../shared/data", [f"train.seed={seed}"])
+            recipe(out, tmp, f"fast-seed{seed}", 1, "configs/fast.yaml", data, [f"train.seed={seed}"])
     if "nccl" in chosen and gpus > 1:  # fewer NCCL channels leave more SMs to the backward it overlaps
         for channels in (2, 4, 8):
             ours(out, tmp, f"ours-ddp-b64-nccl{channels}ch", gpus, 64, [], env={"NCCL_MAX_NCHANNELS": str(channels)})
     if "resnet18" in chosen:
-        recipe(out, tmp, "resnet18", gpus, "configs/default.yaml", args.data or "../shared/data", [f"train.epochs={args.resnet_epochs}"])
+        recipe(out, tmp, "resnet18", gpus, "configs/default.yaml", data, [f"train.epochs={args.resnet_epochs}"])
 
 
 def table(rows: list[dict]) -> str:
