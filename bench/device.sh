@@ -2,6 +2,8 @@
 # One call of the GPU machine (2x H200): strategy checks, benchmark suites, the two-"node" run.
 #   bash bench/device.sh strategies bench:micro,article bench:seednet bench:stall,recipes multinode
 # Needs the CIFAR-10 JPEG tarballs in .devdata/ (copied from ../shared/data) and writes to $OUT.
+# BENCH_ARGS adds options to every `trainer bench` (e.g. "--seeds 4,5,6"); BENCH_CACHE shares the
+# decoded data between benches run side by side (CUDA_VISIBLE_DEVICES=0 ... & CUDA_VISIBLE_DEVICES=1 ...).
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -30,9 +32,10 @@ for part in "$@"; do
     bench:*)   # bench:SUITE[,SUITE...] -> trainer bench --suite SUITES
       suite=${part#bench:}
       name=${suite//,/-}
-      python3 -m trainer bench --suite "$suite" --data "$DATA" --out "$OUT/$name" 2>&1 | tee "$OUT/$name.txt"
-      tar -czf "$OUT/$name-logs.tgz" -C "$OUT/$name" logs 2>/dev/null
-      rm -rf "$OUT/$name/logs" "$OUT/$name/results.jsonl"   # at most 8 files come back from the machine
+      # shellcheck disable=SC2086  # BENCH_ARGS: extra options, split on purpose (e.g. "--seeds 4,5,6")
+      python3 -m trainer bench --suite "$suite" --data "$DATA" --out "$OUT/$name" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/$name.txt"
+      # at most 8 files come back from the machine: the table, and one archive of the rest
+      tar -czf "$OUT/$name.tgz" -C "$OUT" "$name" && rm -rf "${OUT:?}/$name"
       ;;
     multinode)
       {

@@ -114,3 +114,20 @@ def test_launch_checks_then_runs_torchrun_with_two_cpu_processes(tmp_path):
     assert (tmp_path / "ck" / "step-32").is_dir()
     bad = run([sys.executable, "-m", "trainer", "launch", "train.batch_size=0"], check=False)
     assert bad.returncode == 2 and "torchrun" not in bad.stderr
+
+
+def test_profiler_writes_a_trace_a_table_and_a_summary(ckpt):
+    train(ckpt / "a", "train.epochs=1", "profile.steps=3", "profile.skip=2")
+    rows = [json.loads(line) for line in (ckpt / "a" / "metrics.jsonl").read_text().splitlines()]
+    (summary,) = [r for r in rows if r["event"] == "profile"]
+    assert summary["steps"] == 3 and summary["wall_ms_per_step"] > 0 and summary["device_busy_ms_per_step"] is None
+    parts = summary["host_ms_per_step"]
+    assert {"step.data", "step.forward", "step.backward", "step.optimizer", "step.stop_poll"} <= set(parts)
+    assert 0 < parts["step.forward"] < summary["wall_ms_per_step"]
+    trace = json.loads((ckpt / "a" / "profile-rank0.json").read_text())
+    assert any("backward" in e.get("name", "").lower() for e in trace["traceEvents"])
+    assert "Self CPU" in (ckpt / "a" / "profile-rank0.txt").read_text()
+    # a window that training ends inside is closed and written at the end (16 steps, window 14..19)
+    train(ckpt / "b", "train.epochs=1", "profile.steps=6", "profile.skip=14")
+    rows = [json.loads(line) for line in (ckpt / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["steps"] for r in rows if r["event"] == "profile"] == [2]

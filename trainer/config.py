@@ -166,6 +166,10 @@ class DistConfig:
     """DDP: compress gradients to 16 bits for the all-reduce."""
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     """fsdp: precision of the gradient reduce-scatter."""
+    broadcast_buffers: bool = True
+    """DDP: copy rank 0's buffers (batch-norm statistics) to every rank before each forward, as
+    DDP does by default. false saves one broadcast and its host work per step; the ranks' statistics
+    then drift apart between evaluations, which always use (and checkpoints hold) rank 0's."""
 
 
 @dataclass
@@ -185,6 +189,17 @@ class CheckpointConfig:
 
 
 @dataclass
+class ProfileConfig:
+    steps: int = 0
+    """Record this many training steps with torch.profiler (0 = off). Each rank writes
+    profile-rankR.json (a trace for https://ui.perfetto.dev or chrome://tracing) and profile-rankR.txt
+    (the ops with the most host and device time) to the run folder; metrics.jsonl gets a summary
+    (wall and device-busy time per step, host waits on the GPU). Two sync points, around the window."""
+    skip: int = 20
+    """Steps of this launch before the profiled window (compilation and warm-up are over by then)."""
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -192,6 +207,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
     def validate(self) -> Config:
         """Raise ConfigError on the first impossible value; return self."""
@@ -228,6 +244,8 @@ class Config:
             "checkpoint.every_epochs": self.checkpoint.every_epochs,
             "checkpoint.every_steps": self.checkpoint.every_steps,
             "train.seed": self.train.seed,
+            "profile.steps": self.profile.steps,
+            "profile.skip": self.profile.skip,
         }
         for key, value in non_negative.items():
             if value < 0:

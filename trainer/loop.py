@@ -8,6 +8,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 from trainer import checkpoint, parallel
 from trainer.config import Config, to_dict, to_yaml
@@ -15,7 +16,7 @@ from trainer.data import Split
 from trainer.dist import Runtime, all_reduce_sum, barrier
 from trainer.faults import EXIT_PREEMPTED
 from trainer.loader import Augment, eval_batches
-from trainer.metrics import StepTimer, plot_curves
+from trainer.metrics import StepProfiler, StepTimer, plot_curves
 from trainer.setup import Run
 
 
@@ -56,6 +57,7 @@ class Trainer:
         self.r = run
         self.cfg, self.rt, self.state = run.cfg, run.rt, run.state
         self.timer = StepTimer(self.rt.cuda)
+        self.profiler = StepProfiler(self.cfg.profile.steps, self.cfg.profile.skip, run.root, self.rt)
         self.last_saved = self.state.step if run.resumed_from else -1
         self.first_step_s: float | None = None
         self.reserved = False
@@ -115,20 +117,24 @@ class Trainer:
     def done_steps(self) -> bool:
         return 0 < self.cfg.train.max_steps <= self.state.step
 
+    # The record_function labels name the parts of a step in profiles (profile.steps); without a
+    # profiler running each costs about a microsecond.
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(self.rt.device.type, dtype=torch.bfloat16, enabled=self.r.fast.bf16):
+        with record_function("step.forward"), torch.autocast(self.rt.device.type, dtype=torch.bfloat16, enabled=self.r.fast.bf16):
             loss = self.r.criterion(self.r.net(x), y)
-        loss.backward()
+        with record_function("step.backward"):
+            loss.backward()
         return loss.detach()
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         r = self.r
         loss = self.forward_backward(x, y)
-        r.optimizer.step()
-        r.optimizer.zero_grad(set_to_none=True)
-        r.schedule.step()
-        if r.lookahead is not None:
-            r.lookahead.step(self.state.step + 1, r.total_steps)
+        with record_function("step.optimizer"):
+            r.optimizer.step()
+            r.optimizer.zero_grad(set_to_none=True)
+            r.schedule.step()
+            if r.lookahead is not None:
+                r.lookahead.step(self.state.step + 1, r.total_steps)
         return loss
 
     def train_epoch(self, epoch: int) -> bool:
@@ -141,8 +147,10 @@ class Trainer:
         window_start = t_epoch = time.perf_counter()
         batches = r.loader.epoch(epoch, st.epoch_step)
         while True:
+            self.profiler.before_step()
             d0 = self.timer.mark()
-            batch = next(batches, None)  # augmented on the device: by the epoch, or by the step from host memory
+            with record_function("step.data"):
+                batch = next(batches, None)  # augmented on the device: by the epoch, or by the step from host memory
             if batch is None:
                 break
             d1 = self.timer.mark()
@@ -154,6 +162,7 @@ class Trainer:
             window += 1
             loss_sum += loss
             window_loss += loss
+            self.profiled(self.profiler.after_step())
             if not self.reserved:
                 self.reserve()
             if self.first_step_s is None:
@@ -169,7 +178,9 @@ class Trainer:
                              "images_per_s": round(ips, 1), "window_steps": window})
                 window_loss.zero_()
                 window, window_start = 0, now
-            if r.stop.poll():
+            with record_function("step.stop_poll"):
+                stop = r.stop.poll()  # every rank agrees (a tiny all-reduce under ddp)
+            if stop:
                 return True
             if cfg.checkpoint.every_steps and st.step % cfg.checkpoint.every_steps == 0:
                 self.save()
@@ -251,7 +262,13 @@ class Trainer:
             barrier(self.rt)  # the others wait until the checkpoint is on disk
         self.last_saved = st.step
 
+    def profiled(self, summary: dict | None) -> None:
+        if summary is not None:
+            self.r.log.write(summary)
+            self.r.say.line(f"profiled {summary['steps']} steps: {self.r.root}/profile-rank{self.rt.rank}.json and .txt")
+
     def finish(self) -> None:
+        self.profiled(self.profiler.close())
         self.save(sync=True)
         if self.r.writer is not None:
             self.r.writer.wait()

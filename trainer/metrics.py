@@ -53,6 +53,81 @@ class StepTimer:
         return self._host_data * 1e3, self._host_step * 1e3
 
 
+class StepProfiler:
+    """torch.profiler over ``profile.steps`` training steps after ``profile.skip`` (config
+    ``profile``). Writes a trace and a table per rank and returns a summary for metrics.jsonl: wall
+    and device-busy milliseconds per step (busy < wall means the GPU waited for the host: a
+    launch-bound step) and the host's blocking waits on the GPU per step."""
+
+    WAITS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaMemcpyAsync")
+
+    def __init__(self, steps: int, skip: int, folder: Path, rt: Runtime):
+        self.steps, self.start_at, self.folder, self.rt = steps, skip, folder, rt
+        self.seen = 0
+        self.done = False
+        self._prof = None
+        self._t0 = 0.0
+
+    def before_step(self) -> None:
+        if self.steps and self.seen == self.start_at and self._prof is None and not self.done:
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.rt.cuda else [])
+            self._sync()  # sync point: the window starts with an idle GPU
+            self._prof = profile(activities=activities)
+            self._prof.start()
+            self._t0 = time.perf_counter()
+
+    def after_step(self) -> dict | None:
+        """The summary once the window closes, else None."""
+        self.seen += 1
+        if self._prof is None or self.seen < self.start_at + self.steps:
+            return None
+        return self.close()
+
+    def close(self) -> dict | None:
+        """End the window now (training may end inside it); the summary, or None if none is open."""
+        if self._prof is None:
+            return None
+        self._sync()  # sync point: every profiled kernel has run
+        wall = time.perf_counter() - self._t0
+        prof, self._prof, self.done = self._prof, None, True
+        prof.stop()
+        return self._write(prof, wall, self.seen - self.start_at)
+
+    def _sync(self) -> None:
+        if self.rt.cuda:
+            torch.cuda.synchronize()
+
+    def _write(self, prof, wall: float, steps: int) -> dict:
+        from torch.autograd import DeviceType
+
+        events = prof.events()
+        kernels = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA)
+        busy, end = 0.0, float("-inf")
+        for a, b in kernels:  # union of the device's busy intervals (us)
+            busy += max(0.0, b - max(a, end))
+            end = max(end, b)
+        waits: dict[str, int] = {}
+        for e in events:
+            if e.device_type == DeviceType.CPU and e.name in self.WAITS:
+                waits[e.name] = waits.get(e.name, 0) + 1
+        r = self.rt.rank
+        prof.export_chrome_trace(str(self.folder / f"profile-rank{r}.json"))
+        averages = prof.key_averages()
+        tables = [averages.table(sort_by="self_cpu_time_total", row_limit=25)]
+        if self.rt.cuda:
+            tables.append(averages.table(sort_by="self_cuda_time_total", row_limit=25))
+        (self.folder / f"profile-rank{r}.txt").write_text("\n\n".join(tables))
+        n = max(1, steps)
+        return {"event": "profile", "rank": r, "steps": steps, "wall_ms_per_step": round(1e3 * wall / n, 3),
+                "device_busy_ms_per_step": round(busy / 1e3 / n, 3) if self.rt.cuda else None,
+                "kernels_per_step": round(len(kernels) / n, 1),
+                # host time of the step's parts (the loop's record_function labels)
+                "host_ms_per_step": {a.key: round(a.cpu_time_total / 1e3 / n, 3) for a in averages if a.key.startswith("step.")},
+                "host_waits_per_step": {k: round(v / n, 2) for k, v in sorted(waits.items())}}
+
+
 class Progress:
     """A one-line bar on a terminal, plain log lines otherwise."""
 

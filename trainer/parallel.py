@@ -9,6 +9,8 @@ checkpoint written by any strategy on any world size resumes under any other.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 
@@ -28,9 +30,12 @@ def wrap(model: nn.Module, cfg: Config, rt: Runtime, compile_model: bool, bf16: 
         return torch.compile(model, mode=cfg.model.compile_mode) if compile_model else model
     if rt.strategy == "ddp":
         d = cfg.dist
-        net = nn.parallel.DistributedDataParallel(
+        ddp = nn.parallel.DistributedDataParallel
+        # torch 2.14 renamed the per-forward buffer broadcast (the old name warns); 2.11 has only the old one
+        sync = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(ddp.__init__).parameters else "broadcast_buffers"
+        net = ddp(
             model, device_ids=[rt.device.index] if rt.cuda else None, bucket_cap_mb=d.bucket_mb,
-            gradient_as_bucket_view=d.gradient_as_bucket_view, static_graph=d.static_graph,
+            gradient_as_bucket_view=d.gradient_as_bucket_view, static_graph=d.static_graph, **{sync: d.broadcast_buffers},
         )
         if d.comm_hook != "none":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -70,7 +75,8 @@ def model_state(model: nn.Module, rt: Runtime) -> dict:
 
 
 def sync_buffers(model: nn.Module, rt: Runtime) -> None:
-    """DDP copies rank 0's buffers to the others *before* each forward, so after the last step each
+    """DDP copies rank 0's buffers to the others *before* each forward (unless
+    dist.broadcast_buffers=false, and then they drift apart all along), so after the last step each
     rank holds batch-norm statistics of its own last batch. Evaluate (and save) rank 0's."""
     if rt.strategy == "ddp":
         import torch.distributed as dist

@@ -7,8 +7,10 @@ table is printed and ``OUT/results.json`` and ``OUT/bench.png`` are written.
     trainer bench --suite article,seednet          # some suites
     trainer bench --suite recipes --data ../shared/data
 Suites: micro (bf16 matmul ceiling, all-reduce bandwidth), article (one GPU, DataParallel, DDP),
-ablation (the speed recipe's switches one at a time), seeds (the recipe on three more seeds), nccl
-(DDP at batch 64 with 2, 4 and 8 NCCL channels),
+ablation (the speed recipe's switches one at a time), seeds (the recipe on more seeds, --seeds), nccl
+(DDP at batch 64 with 2, 4 and 8 NCCL channels), seednet-ablation (seednet's fast path with one part off
+at a time), resnet18-compile (compiled against eager on the same data; a profile across an epoch
+boundary), recipe-ddp (profiles of the recipe on one and two GPUs; DDP without the per-step buffer broadcast),
 trace (DDP variants: step time and how much of the all-reduce overlaps compute),
 seednet (our trainer: batch 64 and 256 per GPU, DDP and FSDP, the fast path on and off), stall
 (async against sync checkpoint), recipes (the speed recipe on real data), resnet18 (the
@@ -40,6 +42,18 @@ ABLATION = [
     ("eager", ["model.compile=false"]),
     ("no-cudagraphs", ["model.compile_mode=default"]),
     ("airbench-schedule", ["optim.warmup_epochs=2.0", "optim.final_lr_fraction=0"]),
+]
+
+
+# seednet's fast path with one part off at a time (one GPU, batch 64), against all of it on
+# (ours-single-b64): what each part buys at the article's batch.
+SEEDNET_ABLATION = [
+    ("fp32", ["train.precision=fp32"]),
+    ("no-channels-last", ["model.channels_last=false"]),
+    ("eager", ["model.compile=false"]),
+    ("host-loader", ["data.device_resident=false"]),
+    ("foreach-sgd", ["optim.impl=foreach"]),
+    ("loop-sgd", ["optim.impl=loop"]),
 ]
 
 
@@ -89,12 +103,15 @@ def ours(out: Path, tmp: Path, name: str, gpus: int, batch_per_gpu: int, extra: 
 def recipe(out: Path, tmp: Path, name: str, gpus: int, config: str, data: str, extra: list[str], target: float = 0.906) -> None:
     """Time to accuracy on real data: training seconds (compile and evaluation excluded)."""
     ck = tmp / name
-    args = ["train", "--config", config, "data.name=imagefolder", f"data.dir={data}", f"data.cache_dir={tmp / 'cache'}",
+    cache = os.environ.get("BENCH_CACHE") or tmp / "cache"  # a shared decode cache for benches run side by side
+    args = ["train", "--config", config, "data.name=imagefolder", f"data.dir={data}", f"data.cache_dir={cache}",
             f"checkpoint.dir={ck}", "train.plot=false", *extra]
     code, _ = run_case(name, cmd_for(gpus, "trainer", args), out, timeout=900)
     rows = [json.loads(line) for line in (ck / "metrics.jsonl").read_text().splitlines()] if (ck / "metrics.jsonl").exists() else []
     if rows:
         shutil.copy(ck / "metrics.jsonl", out / "logs" / f"{name}.metrics.jsonl")
+    for f in ck.glob("profile-rank*"):  # profile.steps > 0 in extra
+        shutil.copy(f, out / "logs" / f"{name}.{f.name}")
     shutil.rmtree(ck, ignore_errors=True)
     epochs = [r for r in rows if r.get("event") == "epoch"]
     elapsed, reached = 0.0, None
@@ -105,7 +122,10 @@ def recipe(out: Path, tmp: Path, name: str, gpus: int, config: str, data: str, e
     timed = [r for r in epochs if r.get("step_ms_per_step")]
     data_ms = sum(r["data_ms_per_step"] * r["steps"] for r in timed)
     step_ms = sum(r["step_ms_per_step"] * r["steps"] for r in timed)
+    profiles = [{k: v for k, v in r.items() if k != "time"} for r in rows if r.get("event") == "profile"]
     append(out, {"run": name, "gpus": gpus, "exit": code, "overrides": extra, "epochs": len(epochs), "train_seconds": round(elapsed, 3),
+                 "profile": profiles[0] if profiles else None,
+                 "step_ms_per_epoch": [r.get("step_ms_per_step") for r in epochs],
                  "final_test_acc": epochs[-1]["test_acc"] if epochs else None, "target": target, "seconds_to_target": reached,
                  "data_share_of_step": data_ms / step_ms if step_ms else None,  # all steps' data time / their step time
                  "epoch_seconds": [r["train_seconds"] for r in epochs],
@@ -150,9 +170,27 @@ def suites(args, out: Path, tmp: Path, gpus: int) -> None:
             recipe(out, tmp, f"fast-{name}", 1, "configs/fast.yaml", data, extra)
         if gpus > 1:
             recipe(out, tmp, "fast-2gpu-no-cudagraphs", gpus, "configs/fast.yaml", data, ["model.compile_mode=default"])
-    if "seeds" in chosen:  # the shipped recipe on three more seeds (one GPU): its spread
-        for seed in (1, 2, 3):
+    if "seeds" in chosen:  # the shipped recipe on more seeds (one GPU): its spread
+        for seed in args.seeds:
             recipe(out, tmp, f"fast-seed{seed}", 1, "configs/fast.yaml", data, [f"train.seed={seed}"])
+    if "seednet-ablation" in chosen:
+        ours(out, tmp, "ours-single-b64", 1, 64, [])
+        for name, extra in SEEDNET_ABLATION:
+            ours(out, tmp, f"ours-single-b64-{name}", 1, 64, extra)
+    if "resnet18-compile" in chosen:  # same data, same epochs: compiled against eager (one GPU); the
+        # compiled run profiles the steps around the first epoch boundary (the evaluation between)
+        short = [f"train.epochs={args.resnet_ab_epochs}"]
+        recipe(out, tmp, "resnet18-compiled", 1, "configs/default.yaml", data, short)
+        recipe(out, tmp, "resnet18-eager", 1, "configs/default.yaml", data, [*short, "model.compile=false"])
+        recipe(out, tmp, "resnet18-compiled-profile", 1, "configs/default.yaml", data, ["train.epochs=2", "profile.steps=6", "profile.skip=94"])
+    if "recipe-ddp" in chosen:  # why two GPUs are slower than one: profiles (timings of those runs not used) and DDP options
+        window = ["profile.steps=10", "profile.skip=150"]
+        recipe(out, tmp, "fast-1gpu-profile", 1, "configs/fast.yaml", data, window)
+        if gpus > 1:
+            recipe(out, tmp, "fast-2gpu-profile", gpus, "configs/fast.yaml", data, window)
+            recipe(out, tmp, "fast-2gpu-no-buffer-broadcast", gpus, "configs/fast.yaml", data, ["dist.broadcast_buffers=false"])
+            recipe(out, tmp, "fast-2gpu-no-buffer-broadcast-static", gpus, "configs/fast.yaml", data,
+                   ["dist.broadcast_buffers=false", "dist.static_graph=true"])
     if "nccl" in chosen and gpus > 1:  # fewer NCCL channels leave more SMs to the backward it overlaps
         for channels in (2, 4, 8):
             ours(out, tmp, f"ours-ddp-b64-nccl{channels}ch", gpus, 64, [], env={"NCCL_MAX_NCHANNELS": str(channels)})
@@ -218,6 +256,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--suite", default="micro,article,trace,seednet,stall,recipes,resnet18")
     p.add_argument("--data", default="", help="CIFAR-10 image folders or tarballs for the recipes (default ../shared/data)")
     p.add_argument("--resnet-epochs", type=int, default=30)
+    p.add_argument("--resnet-ab-epochs", type=int, default=5, help="epochs of each resnet18-compile run")
+    p.add_argument("--seeds", type=lambda v: [int(x) for x in v.split(",")], default=[1, 2, 3], help="seeds of the seeds suite, e.g. 4,5,6")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: trainer bench needs CUDA GPUs; run it on the GPU machine", file=sys.stderr)

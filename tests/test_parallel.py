@@ -1,0 +1,26 @@
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from trainer import models, parallel
+from trainer.config import load_config
+from trainer.dist import Runtime
+
+
+def test_ddp_settings_reach_the_wrapper(tmp_path):
+    """Each dist.* knob of the config is the DDP wrapper's, not a default (a one-rank gloo group)."""
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        rt = Runtime("ddp", 0, 0, 1, 1, torch.device("cpu"), None)
+        for flag in (True, False):
+            value = str(flag).lower()
+            cfg = load_config(None, [f"dist.broadcast_buffers={value}", f"dist.static_graph={value}",
+                                     f"dist.gradient_as_bucket_view={value}", "dist.bucket_mb=7"])
+            net = parallel.wrap(models.build("tinynet"), cfg, rt, compile_model=False, bf16=False)
+            assert isinstance(net, torch.nn.parallel.DistributedDataParallel)
+            sync = getattr(net, "forward_sync_buffers", getattr(net, "broadcast_buffers", None))  # the name of torch 2.14, or of 2.11
+            assert (sync, net.static_graph, net.gradient_as_bucket_view) == (flag, flag, flag)
+            assert net.bucket_bytes_cap == 7 * 1024 * 1024
+    finally:
+        dist.destroy_process_group()
