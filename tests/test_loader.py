@@ -151,3 +151,14 @@ def test_every_test_image_is_counted_once_whatever_the_world_size():
     counts = [[len(y) for _, y in eval_batches(test, rt(r, 3), 16)] for r in range(3)]
     assert len({len(c) for c in counts}) == 1  # same number of batches on every rank
     assert sum(map(sum, counts)) == 103
+
+
+def test_epoch_orders_drawn_ahead_are_those_of_their_epoch_in_any_call_order():
+    """The next epoch's order comes from a helper thread and two reused buffers; epochs asked for
+    out of turn (a resume, a repeat) must still get their own order and no other's."""
+    split, b = indexed_split(200), 10
+    fresh = {e: labels_of(DeviceLoader(split, rt(1, 2), b, seed=4), e) for e in range(5)}
+    loader = DeviceLoader(split, rt(1, 2), b, seed=4)
+    for e in (0, 1, 2, 1, 1, 4, 3, 0):
+        assert labels_of(loader, e) == fresh[e], f"epoch {e}"
+    assert len({str(v) for v in fresh.values()}) == 5

@@ -17,7 +17,7 @@ def test_ddp_settings_reach_the_wrapper(tmp_path):
             value = str(flag).lower()
             cfg = load_config(None, [f"dist.broadcast_buffers={value}", f"dist.static_graph={value}",
                                      f"dist.gradient_as_bucket_view={value}", "dist.bucket_mb=7"])
-            net = parallel.wrap(models.build("tinynet"), cfg, rt, compile_model=False, bf16=False)
+            net = parallel.wrap(models.build("tinynet"), torch.nn.CrossEntropyLoss(), cfg, rt, compile_model=False, bf16=False)
             assert isinstance(net, torch.nn.parallel.DistributedDataParallel)
             sync = getattr(net, "forward_sync_buffers", getattr(net, "broadcast_buffers", None))  # the name of torch 2.14, or of 2.11
             assert (sync, net.static_graph, net.gradient_as_bucket_view) == (flag, flag, flag)

@@ -166,6 +166,10 @@ class DistConfig:
     """DDP: compress gradients to 16 bits for the all-reduce."""
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     """fsdp: precision of the gradient reduce-scatter."""
+    split_graph_at_buckets: bool = True
+    """Compiled DDP: split the compiled graph at gradient-bucket boundaries, so buckets are
+    all-reduced while backward runs (true), or compile one graph and all-reduce after it (false:
+    fewer graph launches per step, for small models whose step is bound by launch overhead)."""
     broadcast_buffers: bool = True
     """DDP: copy rank 0's buffers (batch-norm statistics) to every rank before each forward, as
     DDP does by default. false saves one broadcast and its host work per step; the ranks' statistics

@@ -87,24 +87,25 @@ class Trainer:
         )
         r.log.write({"event": "start", "strategy": self.rt.strategy, "world_size": self.rt.world_size, "step": self.state.step,
                      "resumed_from": str(r.resumed_from) if r.resumed_from else None, "fast": str(r.fast)})
-        if r.fast.compile:
+        if r.fast.compile or self.rt.cuda:
             self.warm_up()
 
     def warm_up(self) -> None:
-        """Compile before the clock starts: forward and backward on a real batch (three times when
-        the compile mode uses CUDA graphs, as reduce-overhead and max-autotune do: cudagraph trees
-        run once, then record, then replay),
-        then the weights, buffers (batch-norm statistics) and gradients are put back as they were.
-        One augmentation too: the first launch of each CUDA kernel loads its module (lazy loading,
-        tens of milliseconds in all), which the first epoch's input pipeline would otherwise pay.
-        It draws the epoch-0 numbers that training then uses: no random state moves."""
+        """Compile, and let cuDNN time its kernels for the training shapes (cudnn.benchmark; 1.7 s
+        in ResNet-18's first eager epoch otherwise), before the clock starts: forward and backward
+        on a real batch (three times when the compile mode uses CUDA graphs, as reduce-overhead and
+        max-autotune do: cudagraph trees run once, then record, then replay), then the weights,
+        buffers (batch-norm statistics) and gradients are put back as they were. One augmentation
+        too: the first launch of each CUDA kernel loads its module (lazy loading, tens of
+        milliseconds in all), which the first epoch's input pipeline would otherwise pay. It draws
+        the epoch-0 numbers that training then uses: no random state moves."""
         r = self.r
         saved = {k: v.detach().clone() for k, v in r.model.state_dict().items()}
         b = self.rt.per_rank_batch(self.cfg.train.batch_size)
         x = r.augment.train(r.train_split.images[:b].to(self.rt.device), 0, 0, torch.arange(b, device=self.rt.device))
         y = r.train_split.labels[:b].to(self.rt.device)
         r.net.train()
-        cudagraphs = self.cfg.model.compile_mode in ("reduce-overhead", "max-autotune")
+        cudagraphs = r.fast.compile and self.cfg.model.compile_mode in ("reduce-overhead", "max-autotune")
         for _ in range(3 if cudagraphs else 1):
             _ = self.forward_backward(x, y).item()
             r.optimizer.zero_grad(set_to_none=True)
@@ -112,7 +113,7 @@ class Trainer:
             for k, v in r.model.state_dict().items():
                 v.copy_(saved[k])
         self.first_step_s = time.perf_counter() - r.started_at
-        r.log.write({"event": "first_step", "seconds": round(self.first_step_s, 3), "compiled": True})
+        r.log.write({"event": "first_step", "seconds": round(self.first_step_s, 3), "compiled": r.fast.compile})
 
     def done_steps(self) -> bool:
         return 0 < self.cfg.train.max_steps <= self.state.step
@@ -121,7 +122,7 @@ class Trainer:
     # profiler running each costs about a microsecond.
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with record_function("step.forward"), torch.autocast(self.rt.device.type, dtype=torch.bfloat16, enabled=self.r.fast.bf16):
-            loss = self.r.criterion(self.r.net(x), y)
+            loss = self.r.net(x, y)  # the model and its loss (compiled together)
         with record_function("step.backward"):
             loss.backward()
         return loss.detach()

@@ -19,22 +19,39 @@ from trainer.dist import Runtime
 from trainer.models import unwrap
 
 
-def wrap(model: nn.Module, cfg: Config, rt: Runtime, compile_model: bool, bf16: bool) -> nn.Module:
-    """The module that training calls; ``model`` itself stays usable for evaluation."""
+class WithLoss(nn.Module):
+    """The model and its loss as one module, called as ``net(images, labels) -> mean loss``.
+    Compiled together, the loss (log-softmax, label smoothing, mean) and its backward join the
+    model's graphs instead of running as a dozen eager kernels, each launched from Python: host
+    time that a launch-bound step pays in full (BENCHMARKS.md, the speed recipe's profile)."""
+
+    def __init__(self, model: nn.Module, criterion: nn.Module):
+        super().__init__()
+        self.model, self.criterion = model, criterion
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.criterion(self.model(x), y)
+
+
+def wrap(model: nn.Module, criterion: nn.Module, cfg: Config, rt: Runtime, compile_model: bool, bf16: bool) -> nn.Module:
+    """The module that training calls, ``net(images, labels) -> loss``; ``model`` itself stays
+    usable for evaluation."""
     if rt.strategy == "dp":
         # DataParallel copies the module to every GPU on every forward, from one process: the GIL
         # and the copies are why the article found it slow. Kept for comparison; never compiled.
-        return nn.DataParallel(model)
+        # The loss is taken on the gathered outputs, as the article did.
+        return WithLoss(nn.DataParallel(model), criterion)
+    net = WithLoss(model, criterion)
     if rt.strategy == "fsdp":
         _shard(model, cfg, bf16)
-        return torch.compile(model, mode=cfg.model.compile_mode) if compile_model else model
+        return torch.compile(net, mode=cfg.model.compile_mode) if compile_model else net
     if rt.strategy == "ddp":
         d = cfg.dist
         ddp = nn.parallel.DistributedDataParallel
         # torch 2.14 renamed the per-forward buffer broadcast (the old name warns); 2.11 has only the old one
         sync = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(ddp.__init__).parameters else "broadcast_buffers"
         net = ddp(
-            model, device_ids=[rt.device.index] if rt.cuda else None, bucket_cap_mb=d.bucket_mb,
+            net, device_ids=[rt.device.index] if rt.cuda else None, bucket_cap_mb=d.bucket_mb,
             gradient_as_bucket_view=d.gradient_as_bucket_view, static_graph=d.static_graph, **{sync: d.broadcast_buffers},
         )
         if d.comm_hook != "none":
@@ -43,10 +60,12 @@ def wrap(model: nn.Module, cfg: Config, rt: Runtime, compile_model: bool, bf16: 
             hook = default_hooks.bf16_compress_hook if d.comm_hook == "bf16" else default_hooks.fp16_compress_hook
             net.register_comm_hook(None, hook)
         # Compile *around* DDP: dynamo then splits the graph at bucket boundaries so gradients are
-        # all-reduced while backward still runs. Compiling inside DDP would make the whole
-        # backward one graph, and every gradient would arrive (and be sent) only at its end.
+        # all-reduced while backward still runs (dist.split_graph_at_buckets). One graph instead
+        # means every gradient arrives (and is sent) only at the end of backward, but half the
+        # graph launches: the better trade for a small model whose step is launch-bound.
+        torch._dynamo.config.optimize_ddp = d.split_graph_at_buckets
         return torch.compile(net, mode=cfg.model.compile_mode) if compile_model else net
-    return torch.compile(model, mode=cfg.model.compile_mode) if compile_model else model
+    return torch.compile(net, mode=cfg.model.compile_mode) if compile_model else net
 
 
 def _shard(model: nn.Module, cfg: Config, bf16: bool) -> None:

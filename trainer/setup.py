@@ -77,7 +77,6 @@ class Run:
     optimizer: torch.optim.Optimizer
     schedule: Any
     lookahead: Lookahead | None
-    criterion: nn.Module
     loader: Any
     augment: Augment
     steps_per_epoch: int
@@ -165,7 +164,8 @@ def build(cfg: Config, rt: Runtime, started_at: float | None = None) -> Run:
     if fast.channels_last and rt.strategy != "fsdp":
         model.to(memory_format=torch.channels_last)
 
-    net = parallel.wrap(model, cfg, rt, fast.compile, fast.bf16)
+    criterion = nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing)
+    net = parallel.wrap(model, criterion, cfg, rt, fast.compile, fast.bf16)
     optimizer = build_optimizer(model, cfg, rt.cuda, sharded=rt.strategy == "fsdp")
     total = steps_per_epoch * cfg.train.epochs
     total = min(total, cfg.train.max_steps) if cfg.train.max_steps else total
@@ -182,7 +182,6 @@ def build(cfg: Config, rt: Runtime, started_at: float | None = None) -> Run:
     return Run(
         cfg=cfg, rt=rt, fast=fast, root=root, state=state, train_split=train_split, test_split=test_split,
         model=model, eval_model=model, net=net, optimizer=optimizer, schedule=schedule, lookahead=lookahead,
-        criterion=nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing),
         loader=make_train_loader(cfg, rt, train_split, fast.device_resident, augment), augment=augment,
         steps_per_epoch=steps_per_epoch, total_steps=total, stop=StopFlag(rt),
         writer=checkpoint.AsyncWriter() if fast.async_save and rt.is_main else None,

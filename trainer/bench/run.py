@@ -10,7 +10,8 @@ Suites: micro (bf16 matmul ceiling, all-reduce bandwidth), article (one GPU, Dat
 ablation (the speed recipe's switches one at a time), seeds (the recipe on more seeds, --seeds), nccl
 (DDP at batch 64 with 2, 4 and 8 NCCL channels), seednet-ablation (seednet's fast path with one part off
 at a time), resnet18-compile (compiled against eager on the same data; a profile across an epoch
-boundary), recipe-ddp (profiles of the recipe on one and two GPUs; DDP without the per-step buffer broadcast),
+boundary), recipe-ddp (profiles of the recipe on one and two GPUs; DDP options one at a time), epochs11 (the
+recipe with an eleventh epoch, on --seeds),
 trace (DDP variants: step time and how much of the all-reduce overlaps compute),
 seednet (our trainer: batch 64 and 256 per GPU, DDP and FSDP, the fast path on and off), stall
 (async against sync checkpoint), recipes (the speed recipe on real data), resnet18 (the
@@ -188,9 +189,12 @@ def suites(args, out: Path, tmp: Path, gpus: int) -> None:
         recipe(out, tmp, "fast-1gpu-profile", 1, "configs/fast.yaml", data, window)
         if gpus > 1:
             recipe(out, tmp, "fast-2gpu-profile", gpus, "configs/fast.yaml", data, window)
-            recipe(out, tmp, "fast-2gpu-no-buffer-broadcast", gpus, "configs/fast.yaml", data, ["dist.broadcast_buffers=false"])
-            recipe(out, tmp, "fast-2gpu-no-buffer-broadcast-static", gpus, "configs/fast.yaml", data,
-                   ["dist.broadcast_buffers=false", "dist.static_graph=true"])
+            recipe(out, tmp, "fast-2gpu-one-graph", gpus, "configs/fast.yaml", data, ["dist.split_graph_at_buckets=false"])
+            recipe(out, tmp, "fast-2gpu-buffer-broadcast", gpus, "configs/fast.yaml", data, ["dist.broadcast_buffers=true"])
+            recipe(out, tmp, "fast-2gpu-dynamic-graph", gpus, "configs/fast.yaml", data, ["dist.static_graph=false"])
+    if "epochs11" in chosen:  # the recipe one epoch longer, on the seeds suite's seeds
+        for seed in args.seeds:
+            recipe(out, tmp, f"fast-11ep-seed{seed}", 1, "configs/fast.yaml", data, [f"train.seed={seed}", "train.epochs=11"])
     if "nccl" in chosen and gpus > 1:  # fewer NCCL channels leave more SMs to the backward it overlaps
         for channels in (2, 4, 8):
             ours(out, tmp, f"ours-ddp-b64-nccl{channels}ch", gpus, 64, [], env={"NCCL_MAX_NCHANNELS": str(channels)})
