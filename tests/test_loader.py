@@ -162,3 +162,13 @@ def test_epoch_orders_drawn_ahead_are_those_of_their_epoch_in_any_call_order():
     for e in (0, 1, 2, 1, 1, 4, 3, 0):
         assert labels_of(loader, e) == fresh[e], f"epoch {e}"
     assert len({str(v) for v in fresh.values()}) == 5
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_normalize_is_exact_and_in_the_models_layout(channels_last):
+    x = torch.randint(0, 256, (5, 3, 8, 8), dtype=torch.uint8)
+    aug = Augment(load_config(), rt(0, 1), channels_last)
+    out = aug.normalize(x)
+    assert torch.equal(out, (x.float() - aug.mean) * aug.inv_std) and out.dtype == torch.float32
+    assert out.is_contiguous(memory_format=torch.channels_last) == channels_last
+    assert x.is_contiguous()  # the input is left as it was
