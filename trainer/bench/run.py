@@ -10,7 +10,7 @@ Suites: micro (bf16 matmul ceiling, all-reduce bandwidth), article (one GPU, Dat
 ablation (the speed recipe's switches one at a time), seeds (the recipe on more seeds, --seeds), nccl
 (DDP at batch 64 with 2, 4 and 8 NCCL channels), seednet-ablation (seednet's fast path with one part off
 at a time), resnet18-compile (compiled against eager on the same data; a profile across an epoch
-boundary), recipe-ddp (profiles of the recipe on one and two GPUs; DDP options one at a time), epochs11 (the
+boundary), resnet18-cudagraphs (compiled with and without CUDA graphs), recipe-ddp (profiles of the recipe on one and two GPUs; DDP options one at a time), epochs11 (the
 recipe with an eleventh epoch, on --seeds),
 trace (DDP variants: step time and how much of the all-reduce overlaps compute),
 seednet (our trainer: batch 64 and 256 per GPU, DDP and FSDP, the fast path on and off), stall
@@ -184,6 +184,10 @@ def suites(args, out: Path, tmp: Path, gpus: int) -> None:
         recipe(out, tmp, "resnet18-compiled", 1, "configs/default.yaml", data, short)
         recipe(out, tmp, "resnet18-eager", 1, "configs/default.yaml", data, [*short, "model.compile=false"])
         recipe(out, tmp, "resnet18-compiled-profile", 1, "configs/default.yaml", data, ["train.epochs=2", "profile.steps=6", "profile.skip=94"])
+    if "resnet18-cudagraphs" in chosen:  # host-bound compiled steps (cuDNN calls from the host): CUDA graphs against none
+        short = [f"train.epochs={args.resnet_ab_epochs}"]
+        recipe(out, tmp, "resnet18-compiled", 1, "configs/default.yaml", data, short)
+        recipe(out, tmp, "resnet18-cudagraphs", 1, "configs/default.yaml", data, [*short, "model.compile_mode=reduce-overhead"])
     if "recipe-ddp" in chosen:  # why two GPUs are slower than one: profiles (timings of those runs not used) and DDP options
         window = ["profile.steps=10", "profile.skip=150"]
         recipe(out, tmp, "fast-1gpu-profile", 1, "configs/fast.yaml", data, window)
