@@ -160,7 +160,7 @@ class DeviceLoader:
         self._pinned = [torch.empty(n, dtype=torch.int64, pin_memory=rt.cuda) for _ in range(2)]
         self._copied: list[torch.cuda.Event | None] = [None, None]  # the last copy out of each buffer
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epoch-order")
-        self._ahead: dict[int, Future] = {}
+        self._ahead: tuple[int, Future] | None = None  # (epoch, its order being drawn)
 
     def order_into(self, epoch: int, out: torch.Tensor) -> torch.Tensor:
         """This rank's indices of ``epoch`` written into the host tensor ``out`` (CPU work only)."""
@@ -171,10 +171,11 @@ class DeviceLoader:
     def indices(self, epoch: int) -> torch.Tensor:
         """This rank's indices of ``epoch`` on the device, from the helper thread when it drew
         them ahead. Then the next epoch's are drawn, into the other buffer."""
-        drawn = {e: f.result() for e, f in self._ahead.items()}  # never two writers of a buffer
+        ahead, self._ahead = self._ahead, None
+        drawn = ahead[1].result() if ahead else None  # waited for even when unused: never two writers of a buffer
         slot = epoch % 2
-        if epoch in drawn:
-            host = drawn[epoch]
+        if ahead and ahead[0] == epoch:
+            host = drawn
         else:  # the first epoch of a run, or an out-of-turn one
             self._reusable(slot)
             host = self.order_into(epoch, self._pinned[slot])
@@ -185,7 +186,7 @@ class DeviceLoader:
         else:
             mine = host.clone()
         self._reusable(1 - slot)
-        self._ahead = {epoch + 1: self._pool.submit(self.order_into, epoch + 1, self._pinned[1 - slot])}
+        self._ahead = (epoch + 1, self._pool.submit(self.order_into, epoch + 1, self._pinned[1 - slot]))
         return mine
 
     def _reusable(self, slot: int) -> None:

@@ -53,6 +53,17 @@ class StepTimer:
         return self._host_data * 1e3, self._host_step * 1e3
 
 
+def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of time intervals, as sorted disjoint intervals (a device's busy time)."""
+    out: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
 class StepProfiler:
     """torch.profiler over ``profile.steps`` training steps after ``profile.skip`` (config
     ``profile``). Writes a trace and a table per rank and returns a summary for metrics.jsonl: wall
@@ -103,11 +114,8 @@ class StepProfiler:
         from torch.autograd import DeviceType
 
         events = prof.events()
-        kernels = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA)
-        busy, end = 0.0, float("-inf")
-        for a, b in kernels:  # union of the device's busy intervals (us)
-            busy += max(0.0, b - max(a, end))
-            end = max(end, b)
+        kernels = [(e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA]
+        busy = sum(b - a for a, b in merged(kernels))  # us
         waits: dict[str, int] = {}
         for e in events:
             if e.device_type == DeviceType.CPU and e.name in self.WAITS:

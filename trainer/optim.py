@@ -67,8 +67,9 @@ class Lookahead:
 
     def __init__(self, model: nn.Module, every: int):
         self.every = every
-        self.names = [n for n, p in model.named_parameters()] + [n for n, _ in model.named_buffers()]
-        tensors = [p for _, p in model.named_parameters()] + [b for _, b in model.named_buffers()]
+        named = [*model.named_parameters(), *model.named_buffers()]
+        self.names = [n for n, _ in named]
+        tensors = [t for _, t in named]
         self.slow = [t.detach().clone() for t in tensors]
         pairs = list(zip(tensors, self.slow, strict=True))
         self._fast = [f for f, _ in pairs if f.dtype.is_floating_point]

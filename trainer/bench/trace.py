@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainer.bench.micro import emit, timed
+from trainer.metrics import merged
 from trainer.models import seednet
 
 VARIANTS = {
@@ -21,16 +22,6 @@ VARIANTS = {
     "ddp-bucket200-static": {"bucket_cap_mb": 200, "static_graph": True},
     "ddp-bf16-hook": {"hook": True},
 }
-
-
-def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[list[float]] = []
-    for a, b in sorted(intervals):
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return [(a, b) for a, b in out]
 
 
 def overlap(spans: list[tuple[float, float]], cover: list[tuple[float, float]]) -> float:
