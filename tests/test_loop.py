@@ -45,14 +45,14 @@ def test_resume_on_another_world_size_is_close(tmp_path):
 
 def test_run_folder_holds_config_metrics_curves_and_checkpoints(ckpt):
     train(ckpt, "train.epochs=2", "train.plot=true", "checkpoint.keep=1")
-    assert sorted(p.name for p in ckpt.iterdir()) == ["config.yaml", "curves.png", "metrics.jsonl", "step-32"]
+    assert sorted(p.name for p in ckpt.iterdir()) == [".lock", "config.yaml", "curves.png", "metrics.jsonl", "step-32"]
     assert (ckpt / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = [json.loads(line) for line in (ckpt / "metrics.jsonl").read_text().splitlines()]
     epochs = [r for r in rows if r["event"] == "epoch"]
     assert [r["epoch"] for r in epochs] == [1, 2]
     assert all(r["train_loss"] > 0 and 0 <= r["test_acc"] <= 1 and r["images_per_s"] > 0 for r in epochs)
     state = torch.load(ckpt / "step-32" / "state.pt", weights_only=True)
-    assert {"model", "optimizer", "scheduler", "epoch", "step", "epoch_step", "rng", "config"} <= set(state)
+    assert set(state) == {"format", "model_name", "model", "optimizer", "scheduler", "epoch", "step", "epoch_step", "config"}
     assert state["config"]["train"]["epochs"] == 2 and state["step"] == 32 and state["epoch"] == 2
 
 

@@ -1,6 +1,7 @@
-"""Checkpoints: ``step-N/`` folders in ``checkpoint.dir``, written atomically by rank 0.
+"""Checkpoints: the one owner of what a checkpoint holds, how it is written, picked, verified
+and restored (:class:`Checkpointer`), and of the run folder's single-writer lock (:class:`FolderLock`).
 
-A save writes ``state.pt`` (hashed while it is written) and ``meta.json`` (step, epoch, size,
+Bytes. A save writes ``state.pt`` (hashed while it is written) and ``meta.json`` (step, epoch, size,
 sha256) into a hidden temporary folder, fsyncs both and the folder, then renames the folder to
 ``step-N`` and fsyncs the parent. The rename is the commit: a crash at any moment leaves either no
 ``step-N`` or a complete one, and a half-written temporary folder is never taken for a checkpoint
@@ -8,29 +9,45 @@ sha256) into a hidden temporary folder, fsyncs both and the folder, then renames
 is used; a damaged one is reported, renamed ``step-N.corrupt`` and skipped for the one before.
 Loading uses ``weights_only=True``: a checkpoint is untrusted input and a pickle that would run
 code is refused.
+
+State. A checkpoint holds the parts a run registers (``model``, ``optimizer``, ``scheduler``,
+``lookahead``, and the train counters at the top level), each with ``state_dict()`` and
+``load_state_dict()``, plus the model's name and the resolved config. Restoring gives every tensor
+back with the dtype, device and memory format (strides) of the live run: a channels-last weight's
+momentum buffer comes back channels-last, which the fused optimizers require.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import re
 import shutil
+import socket
 import threading
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 
-from trainer.config import ConfigError
+from trainer.config import Config, ConfigError, to_dict
 from trainer.faults import crash_point
+from trainer.models import unwrap
 
 STATE, META = "state.pt", "meta.json"
 STEP_DIR = re.compile(r"^step-(\d+)$")
+SET_ASIDE = re.compile(r"^step-\d+\.(corrupt\d*|replaced-\d+)$")
+LOCK = ".lock"
 FORMAT = 1
+KEEP_SET_ASIDE = 2
+"""Quarantined (``.corrupt``) and replaced (``.replaced-*``) folders kept for inspection; older
+ones are deleted with a warning, so a crash loop cannot fill the volume with them."""
 
 
 class CheckpointError(ConfigError):
@@ -100,6 +117,17 @@ def quarantine(folder: Path) -> Path:
     return target
 
 
+def prune_set_aside(root: Path, keep: int = KEEP_SET_ASIDE, log=print) -> list[Path]:
+    """Delete all but the newest ``keep`` quarantined or replaced folders (by modification time)."""
+    aside = sorted((p for p in root.iterdir() if SET_ASIDE.match(p.name) and p.is_dir()), key=lambda p: p.stat().st_mtime) if root.is_dir() else []
+    gone = aside[:-keep] if keep else aside
+    for p in gone:
+        shutil.rmtree(p, ignore_errors=True)
+    if gone:
+        log(f"warning: deleted {len(gone)} set-aside checkpoint folder(s) ({', '.join(p.name for p in gone)}); the newest {keep} are kept for inspection")
+    return gone
+
+
 def newest_good(root: Path, log=print) -> Path | None:
     """The newest verified checkpoint in ``root``; damaged ones are reported and set aside."""
     for _, folder in reversed(complete(root)):
@@ -110,6 +138,13 @@ def newest_good(root: Path, log=print) -> Path | None:
             moved = quarantine(folder)
             log(f"warning: {e}; skipped it (moved to {moved.name}) and trying the previous one")
     return None
+
+
+def newest_complete(root: Path) -> Path | None:
+    """The newest checkpoint with a completion marker, unverified: what ``resume=auto`` will try
+    first (launchers check its model before starting workers)."""
+    found = complete(root)
+    return found[-1][1] if found else None
 
 
 def explicit_resume(root: Path, resume: str) -> Path | None:
@@ -208,25 +243,248 @@ def write(state: dict, root: Path, step: int, keep: int) -> Path:
         raise
     for _, old in complete(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
+    prune_set_aside(root, log=lambda m: warnings.warn(m, stacklevel=2))
     return final
 
 
+
 # --------------------------------------------------------------------------------------------
-# Asynchronous saves: snapshot to pinned host memory (the only stall), write in a thread.
+# One writer per run folder.
 
 
-def _snapshot(obj: Any, buffers: dict, key: str = "") -> Any:
+def _holder_text(info: dict) -> str:
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.get("since", 0)))
+    age = max(0, int(time.time() - info.get("heartbeat", 0)))
+    return f"pid {info.get('pid')} on {info.get('host')}, since {since}, last heard from {age} s ago"
+
+
+class FolderLock:
+    """An exclusive lock on ``checkpoint.dir/.lock``, held by the writing process (rank 0) for its
+    whole life, with who holds it (host, pid, since, heartbeat) inside the file.
+
+    The lock itself is ``flock``: the kernel drops it when the holder dies, kill -9 included, so a
+    dead run never blocks the next one. Network file systems forward it to the server (NFSv4,
+    Lustre, CephFS, GPFS); there a lock left by a dead *host* lasts until the server expires it,
+    and one whose heartbeat is older than ``stale_s`` is broken (the file moved aside) rather
+    than waited on for ever. Where the file system has no locks at all, the heartbeat alone decides.
+    """
+
+    def __init__(self, root: Path, heartbeat_s: float = 15.0, stale_s: float = 120.0):
+        self.root, self.path = Path(root), Path(root) / LOCK
+        self.heartbeat_s, self.stale_s = heartbeat_s, stale_s
+        self._fd: int | None = None
+        self._stop = threading.Event()
+        self._info: dict = {}
+
+    def _read(self) -> dict:
+        try:
+            return json.loads(self.path.read_text() or "{}")
+        except (OSError, ValueError):
+            return {}
+
+    def _stale(self, info: dict) -> bool:
+        """A holder on another host that has not written its heartbeat for stale_s (a dead host)."""
+        return bool(info) and info.get("host") != socket.gethostname() and time.time() - info.get("heartbeat", 0) > self.stale_s
+
+    def _busy(self, info: dict) -> CheckpointError:
+        return CheckpointError(f"checkpoint.dir={self.root} is in use by another run ({_holder_text(info)}); stop that run, or set checkpoint.dir to another folder")
+
+    def _try(self) -> int | None:
+        """An fd holding the lock, or None when another process holds it."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        except OSError:  # no locks on this file system (ENOLCK, EOPNOTSUPP): the heartbeat decides
+            info = self._read()
+            alive = info and (time.time() - info.get("heartbeat", 0) <= self.stale_s) and info.get("pid") != os.getpid()
+            if alive and info.get("host") == socket.gethostname():
+                alive = _pid_alive(info.get("pid", -1))
+            if alive:
+                os.close(fd)
+                return None
+            return fd
+        if os.fstat(fd).st_ino != os.stat(self.path).st_ino:  # moved aside as stale meanwhile
+            os.close(fd)
+            return self._try()
+        return fd
+
+    def check(self) -> None:
+        """Raise CheckpointError if a live run holds the folder (takes and drops the lock)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd = self._try()
+        if fd is None:
+            info = self._read()
+            if not self._stale(info):
+                raise self._busy(info)
+            return
+        os.close(fd)
+
+    def acquire(self, wait_s: float = 0.0, log=print) -> None:
+        """Take the lock for this process, or raise CheckpointError naming the holder (after
+        waiting up to ``wait_s`` for it to go: a restarted group's old rank 0 may still be exiting)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        deadline = time.monotonic() + wait_s
+        while (fd := self._try()) is None:
+            info = self._read()
+            if self._stale(info):
+                aside = self.path.with_name(f"{LOCK}.stale-{time.time_ns()}")
+                self.path.rename(aside)
+                log(f"warning: broke the lock of {_holder_text(info)} (no heartbeat for over {self.stale_s:.0f} s: a dead host); moved it to {aside.name}")
+                continue
+            if time.monotonic() >= deadline:
+                raise self._busy(info)
+            time.sleep(0.5)
+        self._fd = fd
+        now = time.time()
+        self._info = {"host": socket.gethostname(), "pid": os.getpid(), "since": now, "heartbeat": now,
+                      "run_id": os.environ.get("TORCHELASTIC_RUN_ID")}
+        self._write()
+        threading.Thread(target=self._beat, name="checkpoint-lock-heartbeat", daemon=True).start()
+
+    def _write(self) -> None:
+        data = json.dumps(self._info).encode()
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, data, 0)
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.heartbeat_s):
+            self._info["heartbeat"] = time.time()
+            try:
+                self._write()
+            except OSError:  # a full or vanished volume: the save reports it, not this thread
+                pass
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._fd is not None:
+            os.close(self._fd)  # closing the last fd drops the flock
+            self._fd = None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# --------------------------------------------------------------------------------------------
+# What a checkpoint holds: Stateful parts, each with state_dict() / load_state_dict().
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+@dataclass
+class TrainState:
+    """The loop's counters (saved at the top level of a checkpoint)."""
+
+    epoch: int = 0
+    """Epoch in progress (epochs finished so far)."""
+    epoch_step: int = 0
+    """Steps finished inside that epoch: a resumed run skips these global batches."""
+    step: int = 0
+    """Optimizer steps finished in all."""
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "epoch_step": self.epoch_step, "step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.epoch_step, self.step = state["epoch"], state["epoch_step"], state["step"]
+
+
+class ModelPart:
+    """The plain module's weights and buffers (no ``module.``/``_orig_mod.`` prefix), full on rank 0
+    under fsdp (a collective: every rank must call state_dict)."""
+
+    def __init__(self, model: nn.Module, strategy: str, name: str):
+        self.model, self.strategy, self.name = unwrap(model), strategy, name
+
+    def state_dict(self) -> dict:
+        if self.strategy == "fsdp":
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return self.model.state_dict()
+
+    def load_state_dict(self, state: dict, where: Path | str = "checkpoint") -> None:
+        try:
+            self.model.load_state_dict(state)  # copies into the live tensors: their layout stays
+        except RuntimeError as e:
+            detail = next((line.strip() for line in str(e).splitlines()[1:] if line.strip()), str(e))
+            raise CheckpointError(f"checkpoint {where} does not fit model {self.name} ({detail}); use a checkpoint of this model") from None
+
+
+class OptimizerPart:
+    """Optimizer state keyed by parameter *name*, so a checkpoint of any strategy and world size
+    resumes under any other (fsdp: a collective, the full state on rank 0)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str):
+        self.model, self.optimizer, self.strategy = unwrap(model), optimizer, strategy
+
+    def _names(self) -> list[str]:
+        name_of = {id(p): n for n, p in self.model.named_parameters()}
+        return [name_of[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
+
+    def state_dict(self) -> dict:
+        if self.strategy == "fsdp":
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+            return get_optimizer_state_dict(self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        sd, names = self.optimizer.state_dict(), self._names()
+        groups = [{**g, "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]]
+        return {"state": {names[i]: v for i, v in sd["state"].items()}, "param_groups": groups}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.strategy == "fsdp":
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+            set_optimizer_state_dict(self.model, self.optimizer, state, options=StateDictOptions(full_state_dict=True))
+        else:
+            index = {n: i for i, n in enumerate(self._names())}
+            groups = [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]]
+            self.optimizer.load_state_dict({"state": {index[n]: v for n, v in state["state"].items()}, "param_groups": groups})
+        self._match_parameters()
+
+    @torch.no_grad()
+    def _match_parameters(self) -> None:
+        """Per-parameter state (momentum, Adam's moments) in its parameter's exact layout.
+        ``Optimizer.load_state_dict`` keeps the strides the tensors were saved with; a checkpoint
+        written by an older version (or by another memory format) would then hand the fused kernels
+        a channels-last weight with a contiguous momentum buffer, which they refuse."""
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                for key, v in self.optimizer.state.get(p, {}).items():
+                    if isinstance(v, torch.Tensor) and v.shape == p.shape and v.stride() != p.stride():
+                        self.optimizer.state[p][key] = torch.empty_like(p, dtype=v.dtype).copy_(v)
+
+
+# --------------------------------------------------------------------------------------------
+# Asynchronous saves: snapshot to (pinned) host memory, the only stall; write in a thread.
+
+
+def _snapshot(obj: Any, buffers: dict, pin: bool, key: str = "") -> Any:
+    """A host copy of ``obj`` (nested dicts/lists of tensors) in reused buffers that keep every
+    tensor's dtype, shape and strides (``empty_like`` preserves a dense tensor's memory format:
+    a channels-last weight stays channels-last, as a synchronous save would keep it)."""
     if isinstance(obj, torch.Tensor):
-        if obj.device.type != "cuda":
-            return obj.detach().clone()
         buf = buffers.get(key)
-        if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype:
-            buf = buffers[key] = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=True)
-        return buf.copy_(obj.detach(), non_blocking=True)
+        if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype or buf.stride() != obj.stride():
+            buf = buffers[key] = torch.empty_like(obj, device="cpu", pin_memory=pin and obj.device.type == "cuda")
+        return buf.copy_(obj.detach(), non_blocking=buf.is_pinned())
     if isinstance(obj, dict):
-        return {k: _snapshot(v, buffers, f"{key}/{k}") for k, v in obj.items()}
+        return {k: _snapshot(v, buffers, pin, f"{key}/{k}") for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_snapshot(v, buffers, f"{key}/{i}") for i, v in enumerate(obj))
+        return type(obj)(_snapshot(v, buffers, pin, f"{key}/{i}") for i, v in enumerate(obj))
     return obj
 
 
@@ -237,19 +495,22 @@ class AsyncWriter:
         self._buffers: dict[str, torch.Tensor] = {}
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._pin = torch.cuda.is_available()
+
+    def _copy(self, state: dict) -> dict:
+        snap = _snapshot(state, self._buffers, self._pin)
+        if torch.cuda.is_available():
+            torch.cuda.current_stream().synchronize()  # the stall: device-to-host copies finish here
+        return snap
 
     def reserve(self, state: dict) -> None:
-        """Allocate the pinned buffers for ``state`` ahead of the first save (pinning gigabytes takes
+        """Allocate the host buffers for ``state`` ahead of the first save (pinning gigabytes takes
         a second or more)."""
-        if torch.cuda.is_available():
-            _snapshot(state, self._buffers)
-            torch.cuda.current_stream().synchronize()
+        self._copy(state)
 
     def save(self, state: dict, root: Path, step: int, keep: int) -> None:
         self.wait()
-        snap = _snapshot(state, self._buffers)
-        if torch.cuda.is_available():
-            torch.cuda.current_stream().synchronize()  # the stall: device-to-host copies finish here
+        snap = self._copy(state)
 
         def run():
             try:
@@ -268,3 +529,106 @@ class AsyncWriter:
             err, self._error = self._error, None
             warnings.warn(f"background checkpoint write failed: {err}", stacklevel=2)
             raise err
+
+
+# --------------------------------------------------------------------------------------------
+# The one owner.
+
+
+class Checkpointer:
+    """Picks the checkpoint to resume from, restores it into the registered parts, and saves them
+    (synchronously, or through a pinned snapshot and a background write). Rank 0 writes; every
+    rank calls :meth:`save` (under fsdp the state is gathered collectively).
+
+    Order of a resume (the same for every strategy): ``pick`` (rank 0), ``read``, ``restore`` of
+    the model into the plain module *before* it is wrapped and compiled, then ``restore`` of the
+    optimizer, schedule, Lookahead and counters once they exist."""
+
+    def __init__(self, cfg: Config, strategy: str, is_main: bool, async_save: bool, log=print):
+        self.cfg, self.strategy, self.is_main, self.log = cfg, strategy, is_main, log
+        self.root = Path(cfg.checkpoint.dir)
+        self.parts: dict[str, Stateful] = {}
+        self.writer = AsyncWriter() if async_save and is_main else None
+        self.async_save = async_save
+        self.lock = FolderLock(self.root)
+
+    # -- picking (rank 0) -------------------------------------------------------------------
+    def state_bytes(self, model: nn.Module) -> int:
+        """Bytes of one checkpoint: the weights, plus one copy per optimizer state tensor and Lookahead."""
+        c = self.cfg
+        n = sum(p.numel() * p.element_size() for p in model.parameters())
+        copies = 1 + (2 if c.optim.name == "adamw" else int(c.optim.momentum > 0)) + int(c.optim.ema_every > 0)
+        return n * copies
+
+    def pick(self, model: nn.Module) -> Path | None:
+        """Rank 0, before anything is written: the folder is writable and has room, this process
+        holds it alone, leftovers are cleaned; returns the checkpoint to resume from (or None)."""
+        probe(self.root, self.state_bytes(model))
+        restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+        self.lock.acquire(wait_s=30.0 if restarted else 0.0, log=self.log)
+        resume = self.cfg.checkpoint.resume
+        path = explicit_resume(self.root, resume)
+        clean_temporaries(self.root)
+        prune_set_aside(self.root, log=self.log)
+        return newest_good(self.root, log=self.log) if resume == "auto" else path
+
+    # -- restoring ----------------------------------------------------------------------------
+    def read(self, path: Path) -> dict:
+        """The checkpoint at ``path``, checked against this run's model. Rank 0 verified size and
+        checksum when it picked it under resume=auto; an explicit path is verified here."""
+        state = load(path, verify_checksum=self.is_main and self.cfg.checkpoint.resume != "auto")
+        check_model(state.get("model_name"), self.cfg.model.name, path)
+        return state
+
+    def restore(self, state: dict, parts: dict[str, Stateful], where: Path | str = "checkpoint") -> None:
+        """Load ``state`` into ``parts`` (a subset of what a checkpoint holds: "model" first, the
+        rest once the optimizer exists). A part the checkpoint lacks (Lookahead switched on later)
+        keeps its fresh state."""
+        for key, part in parts.items():
+            if key == "train":
+                part.load_state_dict(state)
+            elif key == "model":
+                part.load_state_dict(state["model"], where)  # type: ignore[call-arg]
+            elif state.get(key) is not None:
+                part.load_state_dict(state[key])
+
+    # -- saving -------------------------------------------------------------------------------
+    def register(self, **parts: Stateful | None) -> None:
+        self.parts.update({k: v for k, v in parts.items() if v is not None})
+
+    def collect(self) -> dict | None:
+        """The full state to save: rank 0 gets it, other ranks None (a collective under fsdp)."""
+        states = {k: p.state_dict() for k, p in self.parts.items()}
+        if not self.is_main:
+            return None
+        train = states.pop("train", {})
+        return {"format": FORMAT, "model_name": self.cfg.model.name, **states, **train, "config": to_dict(self.cfg)}
+
+    def reserve(self) -> None:
+        """Host buffers for async saves, once the optimizer state exists (after the first step)."""
+        if self.async_save:
+            state = self.collect()  # every rank: a collective under fsdp
+            if self.writer is not None:
+                self.writer.reserve(state)
+
+    def save(self, step: int, sync: bool) -> tuple[float, bool] | None:
+        """Write ``step-N`` from the registered parts; (stall seconds, async) on rank 0, else None.
+        Only the copy to host memory stalls training when async."""
+        state = self.collect()
+        if state is None:
+            return None
+        t0 = time.perf_counter()
+        keep = self.cfg.checkpoint.keep
+        if self.writer is not None and not sync:
+            self.writer.save(state, self.root, step, keep)
+        else:
+            self.wait()
+            write(state, self.root, step, keep)
+        return time.perf_counter() - t0, self.writer is not None and not sync
+
+    def wait(self) -> None:
+        if self.writer is not None:
+            self.writer.wait()
+
+    def close(self) -> None:
+        self.lock.release()

@@ -85,7 +85,11 @@ def train(config_file, overrides):
 
     rt = setup(cfg)
     try:
-        code = Trainer(build(cfg, rt, started)).fit()
+        run = build(cfg, rt, started)
+        try:
+            code = Trainer(run).fit()
+        finally:
+            run.checkpointer.close()
     finally:
         teardown()
     sys.exit(code)

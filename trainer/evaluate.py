@@ -19,10 +19,10 @@ def preflight(cfg: Config) -> None:
     check_devices(cfg)
     root = Path(cfg.checkpoint.dir)
     checkpoint.probe(root, 0)
+    checkpoint.FolderLock(root).check()  # another live run writes there: exit 2 now, naming it
     folder = checkpoint.explicit_resume(root, cfg.checkpoint.resume)
-    existing = checkpoint.complete(root) if cfg.checkpoint.resume == "auto" else []
-    if existing:
-        folder = existing[-1][1]
+    if cfg.checkpoint.resume == "auto":
+        folder = checkpoint.newest_complete(root)
     if folder is not None:
         folder = folder if folder.is_dir() else folder.parent
         if (folder / checkpoint.META).is_file():
@@ -44,7 +44,7 @@ def evaluate_checkpoint(path: str, config_file: str | None, overrides) -> tuple[
     from trainer.dist import setup, teardown
     from trainer.loader import Augment
     from trainer.loop import evaluate
-    from trainer.setup import Fast, _load_weights
+    from trainer.setup import Fast
 
     state = checkpoint.load(path)
     base = from_dict(state["config"])
@@ -57,7 +57,8 @@ def evaluate_checkpoint(path: str, config_file: str | None, overrides) -> tuple[
     try:
         fast = Fast.resolve(cfg, rt)
         model = models.build(cfg.model.name)
-        _load_weights(model, state, cfg, Path(path))
+        checkpoint.check_model(state.get("model_name"), cfg.model.name, Path(path))
+        checkpoint.ModelPart(model, "single", cfg.model.name).load_state_dict(state["model"], path)
         model.to(rt.device)
         if fast.channels_last:
             model.to(memory_format=torch.channels_last)

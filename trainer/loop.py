@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 
-from trainer import checkpoint, parallel
-from trainer.config import Config, to_dict, to_yaml
+from trainer import parallel
+from trainer.config import Config, to_yaml
 from trainer.data import Split
 from trainer.dist import Runtime, all_reduce_sum, barrier
 from trainer.faults import EXIT_PREEMPTED
@@ -220,27 +220,10 @@ class Trainer:
         if not last and every and (epoch + 1) % every == 0:
             self.save()
 
-    def checkpoint_state(self) -> dict | None:
-        """What a checkpoint holds (the full state on rank 0, None elsewhere; a collective under fsdp)."""
-        r, st = self.r, self.state
-        model_state = parallel.model_state(r.model, self.rt)
-        optim_state = parallel.optimizer_state(r.model, r.optimizer, self.rt)
-        if not self.rt.is_main:
-            return None
-        return {"format": checkpoint.FORMAT, "model_name": self.cfg.model.name, "model": model_state,
-                "optimizer": optim_state, "scheduler": r.schedule.state_dict(),
-                "lookahead": r.lookahead.state_dict() if r.lookahead else None,
-                "epoch": st.epoch, "epoch_step": st.epoch_step, "step": st.step, "world_size": self.rt.world_size,
-                "rng": {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if self.rt.cuda else []},
-                "config": to_dict(self.cfg)}
-
     def reserve(self) -> None:
         """Pinned host buffers for async saves, once the optimizer state exists (after a step):
         pinning gigabytes takes a second or more, which no save should pay."""
-        if self.r.fast.async_save:
-            state = self.checkpoint_state()  # every rank: a collective under fsdp
-            if self.r.writer is not None:
-                self.r.writer.reserve(state)
+        self.r.checkpointer.reserve()
         self.reserved = True
 
     def save(self, sync: bool = False) -> None:
@@ -248,18 +231,10 @@ class Trainer:
         r, st = self.r, self.state
         if self.last_saved == st.step:
             return
-        state = self.checkpoint_state()
-        if state is not None:
-            t0 = time.perf_counter()
-            if r.writer is not None and not sync:
-                r.writer.save(state, r.root, st.step, self.cfg.checkpoint.keep)
-            else:
-                if r.writer is not None:
-                    r.writer.wait()
-                checkpoint.write(state, r.root, st.step, self.cfg.checkpoint.keep)
-            stall = time.perf_counter() - t0
-            r.log.write({"event": "checkpoint", "step": st.step, "stall_s": round(stall, 4), "async": r.writer is not None and not sync})
-        if sync or not r.fast.async_save:  # decided alike on every rank (only rank 0 has a writer)
+        done = r.checkpointer.save(st.step, sync)
+        if done is not None:
+            r.log.write({"event": "checkpoint", "step": st.step, "stall_s": round(done[0], 4), "async": done[1]})
+        if sync or not r.fast.async_save:  # decided alike on every rank (only rank 0 writes)
             barrier(self.rt)  # the others wait until the checkpoint is on disk
         self.last_saved = st.step
 
@@ -271,8 +246,7 @@ class Trainer:
     def finish(self) -> None:
         self.profiled(self.profiler.close())
         self.save(sync=True)
-        if self.r.writer is not None:
-            self.r.writer.wait()
+        self.r.checkpointer.wait()
         barrier(self.rt)
         if self.cfg.train.plot and plot_curves(self.r.log, self.r.root / "curves.png"):
             self.r.say.line(f"wrote {self.r.root / 'curves.png'}")

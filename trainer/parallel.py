@@ -2,9 +2,8 @@
 
 Order matters and is the same for every strategy: build the model, load the checkpoint's weights
 into the plain module, *then* wrap it (DataParallel, DistributedDataParallel or fully_shard) and
-compile, then build the optimizer and load its state. Saved state is always the plain module's
-(no ``module.`` or ``_orig_mod.`` prefix) and the optimizer's state keyed by parameter name, so a
-checkpoint written by any strategy on any world size resumes under any other.
+compile, then build the optimizer and load its state (trainer/checkpoint.py owns what is saved and
+how it comes back).
 """
 
 from __future__ import annotations
@@ -84,15 +83,6 @@ def _shard(model: nn.Module, cfg: Config, bf16: bool) -> None:
     fully_shard(model, mp_policy=policy, reshard_after_forward=False)
 
 
-def model_state(model: nn.Module, rt: Runtime) -> dict:
-    """Full, unprefixed state dict (for fsdp a collective: every rank must call; rank 0 gets it)."""
-    if rt.strategy == "fsdp":
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        return get_model_state_dict(unwrap(model), options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return unwrap(model).state_dict()
-
-
 def sync_buffers(model: nn.Module, rt: Runtime) -> None:
     """DDP copies rank 0's buffers to the others *before* each forward (unless
     dist.broadcast_buffers=false, and then they drift apart all along), so after the last step each
@@ -102,31 +92,3 @@ def sync_buffers(model: nn.Module, rt: Runtime) -> None:
 
         for b in unwrap(model).buffers():
             dist.broadcast(b, src=0)
-
-
-def _names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
-    """Parameter names in the optimizer's own order (its state is keyed by that position)."""
-    name_of = {id(p): n for n, p in unwrap(model).named_parameters()}
-    return [name_of[id(p)] for g in optimizer.param_groups for p in g["params"]]
-
-
-def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, rt: Runtime) -> dict:
-    """Optimizer state keyed by parameter name (fsdp: a collective, full state on rank 0)."""
-    if rt.strategy == "fsdp":
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-        return get_optimizer_state_dict(unwrap(model), optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    sd, names = optimizer.state_dict(), _names(model, optimizer)
-    groups = [{**g, "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]]
-    return {"state": {names[i]: v for i, v in sd["state"].items()}, "param_groups": groups}
-
-
-def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict, rt: Runtime) -> None:
-    if rt.strategy == "fsdp":
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-        set_optimizer_state_dict(unwrap(model), optimizer, state, options=StateDictOptions(full_state_dict=True))
-        return
-    index = {n: i for i, n in enumerate(_names(model, optimizer))}
-    groups = [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]]
-    optimizer.load_state_dict({"state": {index[n]: v for n, v in state["state"].items()}, "param_groups": groups})

@@ -12,23 +12,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer import checkpoint, data, models, parallel
+from trainer import data, models, parallel
+from trainer.checkpoint import Checkpointer, ModelPart, OptimizerPart, TrainState
 from trainer.config import Config, ConfigError
 from trainer.dist import Runtime, agree, broadcast
 from trainer.faults import StopFlag
 from trainer.loader import Augment, make_train_loader
 from trainer.metrics import Progress, RunLog
 from trainer.optim import Lookahead, build_optimizer, build_schedule
-
-
-@dataclass
-class TrainState:
-    epoch: int = 0
-    """Epoch in progress (epochs finished so far)."""
-    epoch_step: int = 0
-    """Steps finished inside that epoch: a resumed run skips these global batches."""
-    step: int = 0
-    """Optimizer steps finished in all."""
 
 
 @dataclass(frozen=True)
@@ -82,37 +73,11 @@ class Run:
     steps_per_epoch: int
     total_steps: int
     stop: StopFlag
-    writer: checkpoint.AsyncWriter | None
+    checkpointer: Checkpointer
     log: RunLog
     say: Progress
     resumed_from: Path | None
     started_at: float
-
-
-def _state_bytes(model: nn.Module, cfg: Config) -> int:
-    n = sum(p.numel() * p.element_size() for p in model.parameters())
-    copies = 1 + (2 if cfg.optim.name == "adamw" else int(cfg.optim.momentum > 0)) + int(cfg.optim.ema_every > 0)
-    return n * copies
-
-
-def _prechecks(cfg: Config, rt: Runtime, model: nn.Module, say: Progress) -> Path | None:
-    """Rank 0: write probe, leftover temporaries, and which checkpoint to resume from."""
-    root = Path(cfg.checkpoint.dir)
-    checkpoint.probe(root, _state_bytes(model, cfg))
-    path = checkpoint.explicit_resume(root, cfg.checkpoint.resume)
-    checkpoint.clean_temporaries(root)
-    if cfg.checkpoint.resume == "auto":
-        return checkpoint.newest_good(root, log=say.line)
-    return path
-
-
-def _load_weights(model: nn.Module, state: dict, cfg: Config, path: Path) -> None:
-    checkpoint.check_model(state.get("model_name"), cfg.model.name, path)
-    try:
-        model.load_state_dict(state["model"])
-    except RuntimeError as e:
-        detail = next((line.strip() for line in str(e).splitlines()[1:] if line.strip()), str(e))
-        raise checkpoint.CheckpointError(f"checkpoint {path} does not fit model {cfg.model.name} ({detail}); use a checkpoint of this model") from None
 
 
 def build(cfg: Config, rt: Runtime, started_at: float | None = None) -> Run:
@@ -129,11 +94,12 @@ def build(cfg: Config, rt: Runtime, started_at: float | None = None) -> Run:
 
     torch.manual_seed(cfg.train.seed)  # same initial weights on every rank
     model = models.build(cfg.model.name)
+    ckpt = Checkpointer(cfg, rt.strategy, rt.is_main, fast.async_save, log=say.line)
 
     resumed_from, error = None, None
     if rt.is_main:
         try:
-            resumed_from = _prechecks(cfg, rt, model, say)
+            resumed_from = ckpt.pick(model)  # also takes the run folder's lock (one writer)
         except ConfigError as e:
             error = e
     agree(rt, error)
@@ -155,12 +121,10 @@ def build(cfg: Config, rt: Runtime, started_at: float | None = None) -> Run:
         model.init_from_data(augment.normalize(train_split.images[:5000].to(rt.device)).cpu())
     model.to(rt.device)
     state = TrainState()
-    ckpt = None
+    saved = None
     if resumed_from is not None:
-        # rank 0 checked size and checksum when it chose this checkpoint (auto) or checks them now
-        ckpt = checkpoint.load(resumed_from, verify_checksum=rt.is_main and cfg.checkpoint.resume != "auto")
-        _load_weights(model, ckpt, cfg, resumed_from)
-        state = TrainState(ckpt["epoch"], ckpt["epoch_step"], ckpt["step"])
+        saved = ckpt.read(resumed_from)
+        ckpt.restore(saved, {"model": ModelPart(model, rt.strategy, cfg.model.name)}, resumed_from)  # before wrapping
     if fast.channels_last and rt.strategy != "fsdp":
         model.to(memory_format=torch.channels_last)
 
@@ -171,12 +135,11 @@ def build(cfg: Config, rt: Runtime, started_at: float | None = None) -> Run:
     total = min(total, cfg.train.max_steps) if cfg.train.max_steps else total
     schedule = build_schedule(optimizer, cfg, total, steps_per_epoch)
     lookahead = Lookahead(model, cfg.optim.ema_every) if cfg.optim.ema_every else None
-    if ckpt is not None:
-        parallel.load_optimizer_state(model, optimizer, ckpt["optimizer"], rt)
-        schedule.load_state_dict(ckpt["scheduler"])
-        if lookahead is not None and ckpt.get("lookahead"):
-            lookahead.load_state_dict(ckpt["lookahead"])
-        del ckpt
+    ckpt.register(model=ModelPart(model, rt.strategy, cfg.model.name), optimizer=OptimizerPart(model, optimizer, rt.strategy),
+                  scheduler=schedule, lookahead=lookahead, train=state)
+    if saved is not None:
+        ckpt.restore(saved, {k: v for k, v in ckpt.parts.items() if k != "model"}, resumed_from)
+        del saved
     test_split = data.Split(test_split.images.to(rt.device), test_split.labels.to(rt.device), test_split.classes) if fast.device_resident else test_split
     root = Path(cfg.checkpoint.dir)
     return Run(
@@ -184,6 +147,6 @@ def build(cfg: Config, rt: Runtime, started_at: float | None = None) -> Run:
         model=model, eval_model=model, net=net, optimizer=optimizer, schedule=schedule, lookahead=lookahead,
         loader=make_train_loader(cfg, rt, train_split, fast.device_resident, augment), augment=augment,
         steps_per_epoch=steps_per_epoch, total_steps=total, stop=StopFlag(rt),
-        writer=checkpoint.AsyncWriter() if fast.async_save and rt.is_main else None,
+        checkpointer=ckpt,
         log=RunLog(root, rt), say=say, resumed_from=resumed_from, started_at=started_at,
     )
