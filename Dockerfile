@@ -24,7 +24,8 @@ RUN pip install "torch==2.9.0" "torchvision==0.24.0" . \
 
 USER 1000:1000
 VOLUME ["/data", "/checkpoints"]
-# `trainer launch` checks the input (exit 2 on a usage error), then execs torchrun with one process
-# per GPU and --max-restarts; a SIGTERM from `docker stop` reaches torchrun, which forwards it.
+# `trainer launch` (PID 1) checks the input (exit 2 on a usage error), then runs torchrun with one
+# process per GPU and --max-restarts; `docker stop`'s SIGTERM goes on to torchrun and its workers,
+# which save, and the container exits 75 (0 finished, 2 bad input, else a crash).
 ENTRYPOINT ["trainer", "launch", "--config", "configs/default.yaml", "data.dir=/data", "checkpoint.dir=/checkpoints"]
 CMD []

@@ -50,7 +50,9 @@ if [ -n "${CONTAINER_IMAGE:-}" ]; then      # pyxis: the container goes on srun,
     ckpt_dir=/checkpoints data_dir=/data
 fi
 
-# Each node runs this: torchrun with c10d rendezvous on the first node, the job id as rendezvous id.
+# Each node runs this: torchrun with c10d rendezvous on the first node, the job id as rendezvous id,
+# through `trainer torchrun`, which keeps the exit contract (0 done, 75 saved on a signal, 2 bad
+# input, else a crash) where a bare torchrun would exit 1 on any signal.
 # shellcheck disable=SC2016  # expanded on each node, not here
 node_cmd='addr=()
 case "$LOCAL_ADDR" in
@@ -59,9 +61,9 @@ case "$LOCAL_ADDR" in
   *) addr=(--local-addr "$LOCAL_ADDR") ;;
 esac
 if [ -n "$APPTAINER_IMAGE" ]; then
-  exec apptainer exec --nv --bind "$APPTAINER_BIND" "$APPTAINER_IMAGE" torchrun "${addr[@]}" "$@"
+  exec apptainer exec --nv --bind "$APPTAINER_BIND" "$APPTAINER_IMAGE" python -m trainer torchrun "${addr[@]}" "$@"
 fi
-exec torchrun "${addr[@]}" "$@"'
+exec python -m trainer torchrun "${addr[@]}" "$@"'
 export LOCAL_ADDR APPTAINER_IMAGE="${APPTAINER_IMAGE:-}" APPTAINER_BIND="$ckpt_dir,$DATA_DIR"
 
 if [ -z "${CONTAINER_IMAGE:-}${APPTAINER_IMAGE:-}" ]; then
@@ -79,7 +81,7 @@ on_usr1() {
 trap on_usr1 USR1
 
 set +e
-srun --ntasks-per-node=1 --kill-on-bad-exit=1 "${container[@]}" bash -c "$node_cmd" torchrun \
+srun --ntasks-per-node=1 --kill-on-bad-exit=1 "${container[@]}" bash -c "$node_cmd" trainer-torchrun \
     --nnodes="$SLURM_NNODES" --nproc-per-node="$NPROC_PER_NODE" --max-restarts="$MAX_RESTARTS" \
     --rdzv-backend=c10d --rdzv-endpoint="$head_node:$RDZV_PORT" --rdzv-id="$SLURM_JOB_ID" \
     -m trainer train --config "$CONFIG" checkpoint.dir="$ckpt_dir" data.dir="$data_dir" "$@" &

@@ -16,6 +16,9 @@ from trainer.setup import build
 
 def main() -> None:
     out, overrides = sys.argv[1], sys.argv[2:]
+    # float64 throughout: one process and two sum gradients in another order, and float32's
+    # rounding of that differs between CPUs (AVX2, AVX-512); float64's stays far below the tolerance
+    torch.set_default_dtype(torch.float64)
     cfg = load_config(None, overrides)
     rt = setup(cfg)
     run = build(cfg, rt)

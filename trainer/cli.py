@@ -24,7 +24,7 @@ import time
 import click
 
 from trainer.config import ConfigError, explain, load_config, to_yaml
-from trainer.faults import EXIT_USAGE
+from trainer.launch import EXIT_USAGE, record_exit
 
 _LOCAL_RANK = re.compile(r"^--local[-_]rank(=(\d+))?$")
 
@@ -57,6 +57,7 @@ def usage_errors(fn):
         except ConfigError as e:
             if os.environ.get("RANK", "0") == "0":
                 click.echo(f"error: {e}", err=True)
+            record_exit(EXIT_USAGE)
             sys.exit(EXIT_USAGE)
 
     return wrapper
@@ -78,6 +79,10 @@ def main() -> None:
 def train(config_file, overrides):
     """Train; resumes by itself from the newest complete checkpoint in checkpoint.dir."""
     started = time.perf_counter()
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: die with torchrun, never train on orphaned
+        from trainer.launch import die_with_parent
+
+        die_with_parent()
     cfg = load_config(config_file, overrides)
     from trainer.dist import setup, teardown
     from trainer.loop import Trainer
@@ -92,6 +97,7 @@ def train(config_file, overrides):
             run.checkpointer.close()
     finally:
         teardown()
+    record_exit(code)
     sys.exit(code)
 
 
@@ -161,13 +167,27 @@ def launch(nproc_per_node, max_restarts, config_file, overrides):
     from trainer.dist import check_batch
 
     check_batch(cfg, int(nproc_per_node))
-    # torchrun of this interpreter: the same environment whether or not a venv is activated
-    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc_per_node}", f"--max-restarts={max_restarts}", "-m", "trainer", "train"]
+    args = ["--standalone", f"--nproc-per-node={nproc_per_node}", f"--max-restarts={max_restarts}", "-m", "trainer", "train"]
     args += (["--config", config_file] if config_file else []) + list(overrides)
+    click.echo("torchrun " + " ".join(args), err=True)
+    sys.exit(_supervised(args))
+
+
+def _supervised(torchrun_args: list[str]) -> int:
+    from trainer.launch import supervise
+
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # restarts get a fresh store (README)
-    click.echo(" ".join(args), err=True)
     sys.stdout.flush()
-    os.execv(sys.executable, args)
+    return supervise(torchrun_args)
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []})
+@click.pass_context
+def torchrun(ctx):
+    """torchrun ARGS (of this interpreter, venv or not), keeping the exit status contract: 0
+    finished, 75 stopped after saving (resume me), 2 bad input (do not retry), else a crash.
+    Every launcher (Kubernetes, Slurm, TorchX, the image) starts training through this."""
+    sys.exit(_supervised(list(ctx.args)))
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})

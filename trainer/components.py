@@ -9,7 +9,8 @@ From the repository root (scheduler defaults live in .torchxconfig)::
     torchx run -s local_cwd trainer/components.py:train_ddp --j 1x2 --config configs/smoke.yaml \\
         --checkpoint_dir ./checkpoints/torchx
 
-Every component runs the same command as the other launchers: ``torchrun ... -m trainer train``.
+Every component runs the same command as the other launchers: ``trainer torchrun ... -m trainer train``
+(torchrun under the trainer's supervisor, which keeps the exit status contract).
 """
 
 # torchx 0.7's component linter reads annotations as written: keep typing.Optional/Dict here.
@@ -77,7 +78,8 @@ def train_ddp(
         env={"PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})}, max_retries=max_retries, mounts=mounts or None,
     )
     role = app.roles[0]
-    role.args[-1] = role.args[-1].replace("torchrun ", f"torchrun --max-restarts {max_restarts} ", 1)
+    # `trainer torchrun`: torchrun that keeps the exit contract (0, 75 saved on a signal, 2 bad input)
+    role.args[-1] = role.args[-1].replace("torchrun ", f"python -m trainer torchrun --max-restarts {max_restarts} ", 1)
     return app
 
 

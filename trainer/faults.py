@@ -19,12 +19,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.dist import Runtime
-
-EXIT_USAGE = 2
-"""Bad config, bad input or a checkpoint that cannot be used: nothing was changed."""
-EXIT_PREEMPTED = 75
-"""Stopped by a signal after saving a checkpoint of the last finished step (EX_TEMPFAIL): run the
-same command again to resume. Non-zero, so restartPolicy OnFailure and torchrun restart it."""
+from trainer.launch import EXIT_PREEMPTED, EXIT_USAGE  # noqa: F401 - the contract lives in trainer/launch.py
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
 

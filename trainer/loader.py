@@ -75,7 +75,8 @@ class Augment:
         copy (a quarter of the bytes) and the arithmetic in place (one float copy, not three)."""
         if self.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
-        return x.float().sub_(self.mean).mul_(self.inv_std)  # .float() keeps the layout
+        # the default float type (float32; float64 in the equivalence tests); .to keeps the layout
+        return x.to(torch.get_default_dtype()).sub_(self.mean).mul_(self.inv_std)
 
     def draws(self, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's crop offsets [steps, b, 2] and coin flips [steps, b] of ``epoch``."""

@@ -74,7 +74,8 @@ def _shard(model: nn.Module, cfg: Config, bf16: bool) -> None:
 
     policy = MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if bf16 else None,
-        reduce_dtype=torch.bfloat16 if cfg.dist.reduce_dtype == "bf16" else torch.float32,
+        # fp32 reduction of bf16 gradients; without autocast None keeps the parameters' own dtype
+        reduce_dtype=torch.bfloat16 if cfg.dist.reduce_dtype == "bf16" else (torch.float32 if bf16 else None),
     )
     for m in model.modules():
         if isinstance(m, (nn.Conv2d, nn.Linear)) and m.weight.numel() >= 1_000_000:

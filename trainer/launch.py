@@ -1,0 +1,165 @@
+"""The exit status contract, kept at the process each launcher watches.
+
+    0   finished
+    75  stopped on a signal after saving a checkpoint of that step: run the same command to resume
+    2   bad input (config, data, a checkpoint of another model, a run folder held by another run):
+        do not retry, fix the input
+    anything else: a crash (restart it; the run resumes from its newest complete checkpoint)
+
+A worker alone keeps it (``python -m trainer train`` exits with these codes). Under torchrun it
+does not: a signalled torchrun raises ``SignalException`` and exits 1 whatever its workers did, and
+a worker's exit 2 is retried ``--max-restarts`` times like a crash. So every launcher runs torchrun
+under :func:`supervise` (``trainer torchrun ...``, which ``trainer launch`` uses too):
+
+- torchrun runs as a child in its own session; SIGTERM, SIGINT and SIGHUP reach it once, from us
+  (SIGUSR1, which torchrun does not handle, goes on as SIGTERM); a second Ctrl-C kills it at once;
+- each worker writes its exit code to ``$TRAINER_EXIT_DIR/<restart>-<rank>`` as it leaves;
+- a worker's 2 stops torchrun at once (no restarts) and we exit 2; a signalled torchrun whose
+  workers of the last attempt exited 75 gives 75; torchrun's 0 gives 0; any other end is a crash
+  (torchrun's own code, never 0, 2 or 75).
+
+Workers die with torchrun, and torchrun with us (``PR_SET_PDEATHSIG``): kill -9 of a launcher
+leaves no orphan training on, and writing into a folder a relaunch already uses.
+
+Nothing here imports torch: usage errors and ``--help`` stay fast.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+EXIT_OK = 0
+EXIT_USAGE = 2
+"""Bad config, bad input or a checkpoint that cannot be used: nothing was changed; do not retry."""
+EXIT_PREEMPTED = 75
+"""Stopped by a signal after saving a checkpoint of the last finished step (EX_TEMPFAIL): run the
+same command again to resume."""
+EXIT_CRASH = 1
+
+EXIT_DIR_ENV = "TRAINER_EXIT_DIR"
+FORWARDED = {signal.SIGTERM: signal.SIGTERM, signal.SIGINT: signal.SIGINT, signal.SIGHUP: signal.SIGHUP, signal.SIGUSR1: signal.SIGTERM}
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Ask the kernel to send ``sig`` to this process when its parent dies (Linux; a no-op
+    elsewhere). Called in torchrun's workers and, through ``preexec_fn``, in torchrun."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def record_exit(code: int) -> None:
+    """A worker's exit code, for the supervisor (no-op outside ``supervise``)."""
+    folder = os.environ.get(EXIT_DIR_ENV)
+    if not folder:
+        return
+    name = f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}-{os.environ.get('RANK', '0')}"
+    try:
+        tmp = Path(folder) / f".{name}.tmp"
+        tmp.write_text(str(code))
+        tmp.replace(Path(folder) / name)
+    except OSError:
+        pass
+
+
+def recorded(folder: Path) -> list[int]:
+    """Exit codes the workers of the newest attempt recorded."""
+    found: dict[int, list[int]] = {}
+    for p in folder.glob("*-*"):
+        attempt, _, _ = p.name.partition("-")
+        try:
+            found.setdefault(int(attempt), []).append(int(p.read_text()))
+        except (OSError, ValueError):
+            continue
+    return found[max(found)] if found else []
+
+
+def verdict(torchrun_code: int, codes: list[int]) -> int:
+    """The launcher's exit code from torchrun's and its workers' (see the module docstring)."""
+    if EXIT_USAGE in codes:
+        return EXIT_USAGE
+    if torchrun_code == 0:
+        return EXIT_OK
+    if codes and all(c == EXIT_PREEMPTED for c in codes):
+        return EXIT_PREEMPTED
+    if torchrun_code < 0:  # killed by a signal
+        return 128 - torchrun_code
+    return torchrun_code if torchrun_code not in (EXIT_OK, EXIT_USAGE, EXIT_PREEMPTED) else EXIT_CRASH
+
+
+def supervise(torchrun_args: list[str], poll_s: float = 0.5, grace_s: float = 60.0) -> int:
+    """Run ``torchrun ARGS`` and return the contract's exit code (see the module docstring)."""
+    exit_dir = Path(tempfile.mkdtemp(prefix="trainer-exit-"))
+    env = {**os.environ, EXIT_DIR_ENV: str(exit_dir)}
+    cmd = [sys.executable, "-m", "trainer.launch", *torchrun_args]  # torchrun itself, see _torchrun
+    got: list[int] = []
+
+    def on_signal(signum, frame):
+        got.append(signum)
+        if proc.poll() is not None:
+            return
+        if signum == signal.SIGINT and got.count(signal.SIGINT) > 1:
+            print("second Ctrl-C: stopping at once (the save in progress is lost; earlier checkpoints stay)", file=sys.stderr, flush=True)
+            proc.kill()  # the workers follow (PR_SET_PDEATHSIG)
+        elif len(got) == 1:  # torchrun forwards it to every worker; a repeat would only disturb its shutdown
+            proc.send_signal(FORWARDED[signum])
+
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=die_with_parent)
+    previous = {s: signal.signal(s, on_signal) for s in FORWARDED}
+    try:
+        while True:
+            try:
+                code = proc.wait(timeout=poll_s)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if EXIT_USAGE in recorded(exit_dir):  # bad input: torchrun would retry it as a crash
+                print(f"a worker exited {EXIT_USAGE} (bad input); stopping torchrun without restarts", file=sys.stderr, flush=True)
+                proc.terminate()
+                try:
+                    code = proc.wait(timeout=grace_s)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    code = proc.wait()
+                break
+        final = verdict(code, recorded(exit_dir))
+        if got and final == EXIT_PREEMPTED:
+            print(f"stopped by {signal.Signals(got[0]).name}; the workers saved a checkpoint: exit {EXIT_PREEMPTED} (run the same command to resume)",
+                  file=sys.stderr, flush=True)
+        return final
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(exit_dir, ignore_errors=True)
+
+
+def _torchrun(argv: list[str]) -> int:
+    """torchrun's own main, minus the traceback it prints when a signal stops it (the workers
+    report what they did; the supervisor turns it into the exit code)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.run import main
+
+    try:
+        main(argv)
+    except SignalException as e:
+        print(f"torchrun: stopped its workers on {signal.Signals(e.sigval).name}", file=sys.stderr, flush=True)
+        return 128 + int(e.sigval)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_torchrun(sys.argv[1:]))
