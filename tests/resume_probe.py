@@ -1,0 +1,72 @@
+"""Run by tests/test_resume.py and tests/test_gpu.py, alone or under torchrun: train with the real
+build() and Trainer, and write (rank 0) what a resume must reproduce, tensor for tensor.
+
+    python tests/resume_probe.py OUT key=value...      # or: torchrun ... tests/resume_probe.py OUT ...
+
+OUT gets ``restored`` (the layout of every live tensor right after build(): the model's
+parameters and buffers, the optimizer's per-parameter state, Lookahead's copies), ``final``
+(the same at the end), ``values`` (the final saved state, flattened per key) and ``resumed``.
+A layout is (dtype, device type, shape, strides).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from trainer.config import load_config
+from trainer.dist import setup, teardown
+from trainer.loop import Trainer
+from trainer.models import unwrap
+from trainer.setup import build
+
+
+def layout(t: torch.Tensor) -> tuple:
+    return (str(t.dtype), t.device.type, tuple(t.shape), tuple(t.stride()))
+
+
+def live_layout(run) -> dict[str, tuple]:
+    model = unwrap(run.model)
+    out = {f"model/{k}": layout(v) for k, v in model.state_dict(keep_vars=True).items()}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for group in run.optimizer.param_groups:
+        for p in group["params"]:
+            for key, v in run.optimizer.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    out[f"optimizer/{names[id(p)]}/{key}"] = layout(v)
+    if run.lookahead is not None:
+        out.update({f"lookahead/{n}": layout(s) for n, s in zip(run.lookahead.names, run.lookahead.slow, strict=True)})
+    return out
+
+
+def flat(state: dict, prefix: str = "") -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for k, v in state.items():
+        key = f"{prefix}/{k}" if prefix else str(k)
+        if isinstance(v, torch.Tensor):
+            out[key] = v.detach().to("cpu", copy=True).contiguous()
+        elif isinstance(v, dict):
+            out.update(flat(v, key))
+    return out
+
+
+def main() -> None:
+    out, overrides = sys.argv[1], sys.argv[2:]
+    cfg = load_config(None, overrides)
+    rt = setup(cfg)
+    run = build(cfg, rt)
+    restored = live_layout(run)
+    code = Trainer(run).fit()
+    final = live_layout(run)
+    state = run.checkpointer.collect()  # a collective under fsdp
+    if rt.is_main:
+        values = flat({k: state[k] for k in ("model", "optimizer", "lookahead") if state.get(k) is not None})
+        torch.save({"restored": restored, "final": final, "values": values, "resumed": run.resumed_from is not None,
+                    "step": run.state.step, "code": code}, out)
+    run.checkpointer.close()
+    teardown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""A resumed run is the run that saved it, tensor for tensor: values, dtype, device and memory
+format (strides) of every weight, buffer, optimizer state and Lookahead copy, for synchronous and
+asynchronous saves, channels-last on and off, each optimizer kernel, fp32 and bf16, one process,
+DDP and FSDP. On the CPU the continued run also ends bit-identical to one never stopped.
+
+tests/test_gpu.py runs the same matrix on CUDA (fused optimizers, pinned snapshots, NCCL)."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TINY, env, free_port, run
+
+PROBE = "tests/resume_probe.py"
+BASE = [*TINY, "train.epochs=2", "checkpoint.every_steps=5", "checkpoint.keep=10", "optim.momentum=0.9", "data.crop_padding=4"]
+RESUME_AT = 10  # a mid-epoch periodic save (asynchronous when async_save is on), not the final one
+
+
+def probe(out: Path, args: list[str], nproc: int, extra_env: dict | None = None) -> dict:
+    if nproc == 1:
+        cmd = [sys.executable, PROBE, str(out), *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", PROBE, str(out), *args]
+    run(cmd, env=env(MASTER_PORT=str(free_port()), **(extra_env or {})), timeout=600)
+    return torch.load(out, weights_only=False)
+
+
+def stride_of(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), tuple(t.stride())
+
+
+def check_resume(tmp_path: Path, overrides: list[str], nproc: int = 1, exact: bool = True, extra_env: dict | None = None) -> tuple[dict, dict]:
+    """Train a reference run; resume a copy of its step-10 checkpoint in a fresh folder; compare."""
+    args = [*BASE, *overrides]
+    ref = probe(tmp_path / "ref.pt", [*args, f"checkpoint.dir={tmp_path / 'a'}"], nproc, extra_env)
+    shutil.copytree(tmp_path / "a" / f"step-{RESUME_AT}", tmp_path / "b" / f"step-{RESUME_AT}")
+    res = probe(tmp_path / "res.pt", [*args, f"checkpoint.dir={tmp_path / 'b'}"], nproc, extra_env)
+    assert not ref["resumed"] and res["resumed"] and ref["step"] == res["step"] == 32 and ref["code"] == res["code"] == 0
+
+    # 1. every restored tensor has the live run's dtype, device, shape and strides
+    assert any(k.startswith("optimizer/") for k in res["restored"]), "no optimizer state was restored"
+    differ = {k: (res["restored"].get(k), v) for k, v in ref["final"].items() if res["restored"].get(k) != v}
+    assert not differ, f"restored layout differs from the live run's (restored, live): {differ}"
+
+    # 2. the checkpoint file itself keeps the live layout (an async snapshot must not densify)
+    saved = torch.load(tmp_path / "a" / f"step-{RESUME_AT}" / "state.pt", weights_only=True)
+    for name, t in saved["model"].items():
+        assert stride_of(t) == ref["final"][f"model/{name}"][2:], f"saved model/{name} lost its layout"
+    for name, st in saved["optimizer"]["state"].items():
+        for key, v in st.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                assert stride_of(v) == ref["final"][f"optimizer/{name}/{key}"][2:], f"saved optimizer/{name}/{key} lost its layout"
+
+    # 3. training goes on to the same end
+    assert ref["values"].keys() == res["values"].keys()
+    for k, a in ref["values"].items():
+        b = res["values"][k]
+        assert a.dtype == b.dtype, k
+        if exact:
+            assert torch.equal(a, b), f"{k} differs from the never-stopped run"
+        else:
+            assert torch.isfinite(b.float()).all(), k
+    return ref, res
+
+
+FAST = {
+    "async-channels_last-foreach": ["checkpoint.async_save=true", "model.channels_last=true", "optim.impl=foreach"],
+    "sync-contiguous-loop": ["checkpoint.async_save=false", "model.channels_last=false", "optim.impl=loop"],
+}
+SLOW = {
+    "sync-channels_last-foreach": ["checkpoint.async_save=false", "model.channels_last=true", "optim.impl=foreach"],
+    "async-contiguous-loop": ["checkpoint.async_save=true", "model.channels_last=false", "optim.impl=loop"],
+    "async-channels_last-lookahead": ["checkpoint.async_save=true", "model.channels_last=true", "optim.ema_every=3"],
+    "async-channels_last-adamw-bf16": ["checkpoint.async_save=true", "model.channels_last=true", "optim.name=adamw", "train.precision=bf16"],
+}
+
+
+@pytest.mark.parametrize("case", FAST)
+def test_resume_is_exact_one_process(tmp_path, case):
+    check_resume(tmp_path, FAST[case])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SLOW)
+def test_resume_is_exact_one_process_more(tmp_path, case):
+    check_resume(tmp_path, SLOW[case])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, overrides", [
+    ("ddp", ["checkpoint.async_save=true", "model.channels_last=true"]),
+    ("ddp", ["checkpoint.async_save=false", "model.channels_last=true", "optim.ema_every=3"]),
+    ("fsdp", ["checkpoint.async_save=true"]),
+])
+def test_resume_is_exact_two_ranks(tmp_path, strategy, overrides):
+    check_resume(tmp_path, [f"train.strategy={strategy}", *overrides], nproc=2)
+
+
+def test_old_checkpoints_with_dense_momentum_resume_in_the_parameters_layout(tmp_path):
+    """A checkpoint written before snapshots kept strides (momentum stored NCHW-contiguous for a
+    channels-last weight) still resumes with every buffer in its parameter's layout."""
+    args = [*BASE, "model.channels_last=true", "checkpoint.async_save=false"]
+    ref = probe(tmp_path / "ref.pt", [*args, f"checkpoint.dir={tmp_path / 'a'}"], 1)
+    folder = tmp_path / "a" / f"step-{RESUME_AT}"
+    state = torch.load(folder / "state.pt", weights_only=True)
+    dense = 0
+    for st in state["optimizer"]["state"].values():
+        for key, v in st.items():
+            if isinstance(v, torch.Tensor) and v.dim() == 4:
+                st[key] = v.contiguous()
+                dense += not v.is_contiguous()
+    state["model"] = {k: v.contiguous() for k, v in state["model"].items()}
+    assert dense, "the reference run should have channels-last momentum buffers"
+    from trainer import checkpoint
+
+    checkpoint.write(state, tmp_path / "b", RESUME_AT, keep=3)
+    res = probe(tmp_path / "res.pt", [*args, f"checkpoint.dir={tmp_path / 'b'}"], 1)
+    assert res["restored"] == ref["final"]
+    for k, a in ref["values"].items():
+        assert torch.equal(a, res["values"][k]), k
