@@ -14,7 +14,7 @@ NODES ?= 2
 K8S ?= multi-node
 DATA_ARGS := $(if $(DATA),data.name=imagefolder data.dir=$(DATA))
 
-.PHONY: venv run-local test test-slow test-all lint bench image compose-up k8s-apply slurm-submit torchx-k8s slurm-up clean
+.PHONY: venv run-local test test-slow test-all test-gpu lint bench image compose-up k8s-apply slurm-submit torchx-k8s slurm-up clean
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -28,15 +28,19 @@ venv: $(BIN)/.installed
 run-local: venv
 	$(BIN)/trainer launch --nproc-per-node $(NPROC) --config $(CONFIG) $(DATA_ARGS) $(ARGS)
 
-## The fast suite (minutes); test-slow: multi-process, faults, Slurm, TorchX; test-all: both
+## The fast suite (minutes); test-slow: multi-process, faults, Slurm, TorchX; test-all: both;
+## test-gpu: the GPU suite (resume matrix and faults on CUDA; two GPUs, data in GPU_DATA=.devdata)
 test: venv
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow and not gpu"
 
 test-slow: venv
-	$(BIN)/python -m pytest -q -m "slow"
+	$(BIN)/python -m pytest -q -m "slow and not gpu"
 
 test-all: venv
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not gpu"
+
+test-gpu: venv
+	$(BIN)/python -m pytest -q -m gpu tests/test_gpu.py
 
 lint: venv
 	$(BIN)/ruff check trainer tests k8s

@@ -1,0 +1,208 @@
+"""The GPU suite: what the CPU CI cannot see (fused optimizers, pinned-memory snapshots, NCCL, CUDA
+graphs and compiled graphs across a resume; faults on real GPUs). Run it on a machine with two
+GPUs whenever GPU-path code changes, with the CIFAR-10 tarballs in GPU_DATA (default .devdata):
+
+    python -m pytest -m gpu tests/test_gpu.py          # GPU_REPORT=file.jsonl keeps the figures
+
+Deselected by `make test`/`make test-slow` (-m "not gpu"); skipped where no CUDA GPU is visible.
+Each fault case records the recovery time: from the fault to the first training step after it
+(the restarted group's warm-up forward-backward, logged as ``first_step`` in metrics.jsonl).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, env
+from test_resume import check_resume
+
+GPUS = torch.cuda.device_count()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS == 0, reason="needs a CUDA GPU")]
+two_gpus = pytest.mark.skipif(GPUS < 2, reason="needs two CUDA GPUs")
+
+DATA = Path(os.environ.get("GPU_DATA", ROOT / ".devdata"))
+CACHE = os.environ.get("GPU_CACHE", "/dev/shm/trainer-gpu-cache")
+EPOCHS = 8
+TIMEOUT_S = 30
+# ResNet-18 (the default recipe), shortened; a checkpoint every 25 steps as well as every epoch
+REAL = ["--config", "configs/default.yaml", "data.name=imagefolder", f"data.dir={DATA}", f"data.cache_dir={CACHE}",
+        f"train.epochs={EPOCHS}", "train.plot=false", "train.log_every=25", "checkpoint.every_steps=25", f"dist.timeout_s={TIMEOUT_S}"]
+ACC_NOISE = 0.02  # seed-to-seed spread of 8-epoch ResNet-18 runs is well under 1 point; 2 points is a clear failure
+
+
+def gpu_env(**extra: str) -> dict[str, str]:
+    e = env(CUDA_VISIBLE_DEVICES=",".join(str(i) for i in range(GPUS)), NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+            NVSHMEM_DISABLE_NVLS="1")
+    e.update(extra)
+    return e
+
+
+def report(case: str, **figures) -> None:
+    row = {"case": case, "date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(0), "gpus": GPUS, "torch": torch.__version__, **figures}
+    print("GPU-REPORT " + json.dumps(row))
+    if os.environ.get("GPU_REPORT"):
+        with open(os.environ["GPU_REPORT"], "a") as fh:
+            fh.write(json.dumps(row) + "\n")
+
+
+# ------------------------------------------------------------------------------------------------
+# The resume matrix on CUDA (tiny model, synthetic data, deterministic kernels)
+
+ONE_GPU = {
+    "async-channels_last-fused-bf16": ["checkpoint.async_save=true", "model.channels_last=true", "optim.impl=fused", "model.compile=false"],
+    "sync-channels_last-fused-fp32": ["checkpoint.async_save=false", "model.channels_last=true", "optim.impl=fused", "train.precision=fp32", "model.compile=false"],
+    "async-contiguous-foreach-bf16-compiled": ["checkpoint.async_save=true", "model.channels_last=false", "optim.impl=foreach", "model.compile=true"],
+    "async-channels_last-loop-fp32-compiled": ["checkpoint.async_save=true", "model.channels_last=true", "optim.impl=loop", "train.precision=fp32", "model.compile=true"],
+    "async-channels_last-adamw-fused-bf16": ["checkpoint.async_save=true", "model.channels_last=true", "optim.name=adamw", "optim.impl=fused", "model.compile=false"],
+    "async-channels_last-fused-lookahead-cudagraphs": ["checkpoint.async_save=true", "model.channels_last=true", "optim.ema_every=3", "model.compile=true",
+                                                        "model.compile_mode=reduce-overhead"],
+}
+TWO_GPUS = {
+    "ddp-async-channels_last-fused-bf16-compiled": ["train.strategy=ddp", "checkpoint.async_save=true", "model.channels_last=true", "model.compile=true"],
+    "ddp-sync-channels_last-fused-fp32-lookahead": ["train.strategy=ddp", "checkpoint.async_save=false", "model.channels_last=true", "train.precision=fp32",
+                                                     "optim.ema_every=3", "model.compile=false"],
+    "fsdp-async-foreach-bf16": ["train.strategy=fsdp", "checkpoint.async_save=true", "model.compile=false"],
+}
+
+
+@pytest.mark.parametrize("case", ONE_GPU)
+def test_resume_is_exact_on_one_gpu(tmp_path, case):
+    t0 = time.time()
+    check_resume(tmp_path, ["train.device=cuda", *ONE_GPU[case]], nproc=1, extra_env=gpu_env(CUDA_VISIBLE_DEVICES="0"))
+    report(f"resume matrix, 1 GPU: {case}", result="pass", seconds=round(time.time() - t0, 1))
+
+
+@two_gpus
+@pytest.mark.parametrize("case", TWO_GPUS)
+def test_resume_is_exact_on_two_gpus(tmp_path, case):
+    t0 = time.time()
+    check_resume(tmp_path, ["train.device=cuda", *TWO_GPUS[case]], nproc=2, extra_env=gpu_env(CUDA_VISIBLE_DEVICES="0,1"))
+    report(f"resume matrix, 2 GPUs: {case}", result="pass", seconds=round(time.time() - t0, 1))
+
+
+# ------------------------------------------------------------------------------------------------
+# Faults on two GPUs, through `trainer launch` (the supervisor every launcher uses)
+
+
+def launch(ckpt: Path, *overrides: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "trainer", "launch", "--nproc-per-node", "2", *REAL, f"checkpoint.dir={ckpt}", *overrides]
+    return subprocess.Popen(cmd, cwd=ROOT, env=gpu_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+
+
+def worker(agent: subprocess.Popen, rank: int):
+    import psutil
+
+    for p in psutil.Process(agent.pid).children(recursive=True):
+        try:
+            if p.environ().get("RANK") == str(rank) and "trainer" in " ".join(p.cmdline()):
+                return p
+        except psutil.Error:
+            continue
+    raise AssertionError(f"no worker of rank {rank} under {agent.pid}")
+
+
+def follow(agent: subprocess.Popen, when: str | None = None, act=None, timeout: float = 540) -> tuple[str, float | None]:
+    """Read the job's output to its end; the first line containing ``when`` triggers ``act()``.
+    Returns the output and the time of the act."""
+    lines, acted_at, deadline = [], None, time.time() + timeout
+    for line in agent.stdout:
+        lines.append(line)
+        if when and acted_at is None and when in line:
+            act()
+            acted_at = time.time()
+        if time.time() > deadline:
+            agent.kill()
+            break
+    agent.wait(60)
+    return "".join(lines), acted_at
+
+
+def events(ckpt: Path, kind: str) -> list[dict]:
+    rows = [json.loads(line) for line in (ckpt / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [r for r in rows if r.get("event") == kind]
+
+
+def final_acc(ckpt: Path) -> float:
+    return events(ckpt, "epoch")[-1]["test_acc"]
+
+
+def recovery_s(ckpt: Path, since: float) -> float:
+    after = [r["time"] for r in events(ckpt, "first_step") if r["time"] > since]
+    assert after, "no training step after the fault"
+    return round(after[0] - since, 1)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> float:
+    if GPUS < 2:
+        pytest.skip("needs two CUDA GPUs")
+    ckpt = tmp_path_factory.mktemp("reference") / "ck"
+    t0 = time.time()
+    out, _ = follow(launch(ckpt, "model.compile=false"))
+    assert f"done: step {EPOCHS * 97}" in out, out[-3000:]
+    acc = final_acc(ckpt)
+    report("uninterrupted 8-epoch ResNet-18, 2 GPUs, compile off", test_acc=acc, seconds=round(time.time() - t0, 1))
+    return acc
+
+
+MID_EPOCH_2 = f"epoch 2/{EPOCHS} step 53/97"  # global step 150 (97 steps an epoch at batch 512)
+
+
+@two_gpus
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_kill_9_of_one_rank_restarts_the_group_and_finishes(tmp_path, reference, compiled):
+    ckpt = tmp_path / "ck"
+    agent = launch(ckpt, f"model.compile={str(compiled).lower()}")
+    out, killed_at = follow(agent, MID_EPOCH_2, lambda: worker(agent, 1).send_signal(signal.SIGKILL))
+    assert killed_at and agent.returncode == 0, out[-3000:]
+    assert "resuming from" in out and "fused_sgd" not in out, out[-3000:]
+    acc, rec = final_acc(ckpt), recovery_s(ckpt, killed_at)
+    report(f"kill -9 of rank 1 mid-epoch 2, compile {'on' if compiled else 'off'}", result="finished", exit=agent.returncode,
+           recovery_s=rec, test_acc=acc, reference_acc=reference)
+    assert abs(acc - reference) <= ACC_NOISE
+
+
+@two_gpus
+def test_sigterm_gives_75_and_a_relaunch_finishes(tmp_path, reference):
+    ckpt = tmp_path / "ck"
+    agent = launch(ckpt, "model.compile=false")
+    out, stopped_at = follow(agent, MID_EPOCH_2, lambda: agent.send_signal(signal.SIGTERM))
+    assert agent.returncode == 75, out[-3000:]
+    step = max(int(p.name.split("-")[1]) for p in ckpt.glob("step-*") if p.name.split("-")[1].isdigit())
+    assert 97 + 50 <= step < 2 * 97, f"the stop checkpoint should be of the step it stopped at, got step-{step}"
+    t_relaunch = time.time()
+    again = launch(ckpt, "model.compile=false")
+    out2, _ = follow(again)
+    assert again.returncode == 0 and f"resuming from {ckpt}/step-{step}" in out2, out2[-3000:]
+    acc = final_acc(ckpt)
+    report("SIGTERM to trainer launch mid-epoch 2, then relaunch", result="finished", exit_first=75, saved_step=step,
+           stop_s=round(t_relaunch - stopped_at, 1), relaunch_to_first_step_s=recovery_s(ckpt, t_relaunch), test_acc=acc, reference_acc=reference)
+    assert abs(acc - reference) <= ACC_NOISE
+
+
+# torchrun stops a failed group with SIGTERM and waits 30 s before SIGKILL; a stopped process
+# ignores the SIGTERM until then. Starting the new group (imports, NCCL, data, cuDNN warm-up)
+# takes under 30 s more. Hence the margin.
+HANG_MARGIN_S = 30 + 30
+
+
+@two_gpus
+def test_a_hung_rank_is_detected_and_the_restart_finishes(tmp_path, reference):
+    ckpt = tmp_path / "ck"
+    agent = launch(ckpt, "model.compile=false")
+    out, stopped_at = follow(agent, MID_EPOCH_2, lambda: worker(agent, 1).send_signal(signal.SIGSTOP))
+    assert stopped_at and agent.returncode == 0, out[-3000:]
+    assert "resuming from" in out
+    acc, rec = final_acc(ckpt), recovery_s(ckpt, stopped_at)
+    report("SIGSTOP of rank 1 mid-epoch 2 (a hung rank)", result="finished", exit=agent.returncode, recovery_s=rec,
+           bound_s=TIMEOUT_S + HANG_MARGIN_S, test_acc=acc, reference_acc=reference)
+    assert rec <= TIMEOUT_S + HANG_MARGIN_S
+    assert abs(acc - reference) <= ACC_NOISE
