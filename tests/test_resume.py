@@ -61,7 +61,7 @@ def check_resume(tmp_path: Path, overrides: list[str], nproc: int = 1, exact: bo
         b = res["values"][k]
         assert a.dtype == b.dtype, k
         if exact:
-            assert torch.equal(a, b), f"{k} differs from the never-stopped run"
+            assert torch.equal(a, b), f"{k} differs from the never-stopped run (max abs diff {(a.double() - b.double()).abs().max().item():.3g})"
         else:
             assert torch.isfinite(b.float()).all(), k
     return ref, res
