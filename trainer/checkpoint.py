@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import socket
+import sys
 import threading
 import time
 import warnings
@@ -243,7 +244,7 @@ def write(state: dict, root: Path, step: int, keep: int) -> Path:
         raise
     for _, old in complete(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
-    prune_set_aside(root, log=lambda m: warnings.warn(m, stacklevel=2))
+    prune_set_aside(root, log=lambda m: print(m, file=sys.stderr, flush=True))
     return final
 
 

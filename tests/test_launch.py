@@ -1,0 +1,242 @@
+"""The exit status contract at the launcher (trainer/launch.py) and one writer per run folder
+(checkpoint.FolderLock), with real torchrun, real signals and real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import ROOT, TINY, env, newest, run, trainer_cmd
+
+from trainer import checkpoint
+from trainer.checkpoint import CheckpointError, FolderLock
+from trainer.launch import EXIT_PREEMPTED, EXIT_USAGE, verdict
+
+LONG = [*TINY, "train.epochs=400", "train.log_every=8", "checkpoint.every_steps=0"]
+
+
+@pytest.mark.parametrize("torchrun_code, workers, expected", [
+    (0, [], 0),                      # finished
+    (0, [75, 0], 0),                 # an earlier attempt was stopped, the last finished
+    (1, [75, 75], EXIT_PREEMPTED),   # torchrun signalled; every worker saved and left with 75
+    (143, [75], EXIT_PREEMPTED),
+    (1, [2, 2], EXIT_USAGE),         # bad input found by the workers
+    (1, [75, 1], 1),                 # one worker did not get out cleanly: a crash
+    (1, [], 1),                      # workers killed: a crash
+    (-9, [], 137),                   # torchrun killed
+    (75, [], 1),                     # torchrun's own 75 or 2 is never taken for the contract's
+    (2, [], 1),
+])
+def test_verdict(torchrun_code, workers, expected):
+    assert verdict(torchrun_code, workers) == expected
+
+
+def launch(ckpt: Path, *overrides: str, nproc: int = 2, extra_env: dict | None = None) -> subprocess.Popen:
+    """`trainer launch` in its own session (as a terminal job), output in a pipe."""
+    cmd = trainer_cmd("launch", "--nproc-per-node", str(nproc), *LONG, f"checkpoint.dir={ckpt}", *overrides)
+    return subprocess.Popen(cmd, cwd=ROOT, env=env(**(extra_env or {})), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
+
+
+def until(agent: subprocess.Popen, words: str, timeout: float = 120) -> list[str]:
+    lines, deadline = [], time.time() + timeout
+    for line in agent.stdout:
+        lines.append(line)
+        if words in line or time.time() > deadline:
+            break
+    return lines
+
+
+def trainers_on(ckpt: Path) -> list[psutil.Process]:
+    """Live processes training into ``ckpt`` (orphans included)."""
+    out = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if f"checkpoint.dir={ckpt}" in " ".join(p.info["cmdline"] or []) and p.info["status"] != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.Error:
+            continue
+    return out
+
+
+def gone(ckpt: Path, timeout: float = 20) -> bool:
+    deadline = time.time() + timeout
+    while trainers_on(ckpt) and time.time() < deadline:
+        time.sleep(0.2)
+    return not trainers_on(ckpt)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["SIGTERM to the launcher", "Ctrl-C to the job"])
+def test_a_stop_signal_gives_75_with_a_checkpoint_of_that_step_and_a_relaunch_resumes(ckpt, how):
+    agent = launch(ckpt)
+    until(agent, "epoch 2/")
+    if how == "Ctrl-C to the job":
+        os.killpg(agent.pid, signal.SIGINT)  # a terminal sends it to the whole foreground job
+    else:
+        agent.send_signal(signal.SIGTERM)
+    out = agent.communicate(timeout=120)[0]
+    assert agent.returncode == EXIT_PREEMPTED, out[-3000:]
+    assert "Traceback" not in out and "SignalException" not in out, out[-3000:]
+    sig = "SIGINT" if "Ctrl-C" in how else "SIGTERM"
+    stopped = [line for line in out.splitlines() if line.startswith(f"stopped by {sig} at step")]
+    assert stopped, out[-3000:]
+    step = int(stopped[0].split("at step ")[1].split(";")[0])
+    assert newest(ckpt).name == f"step-{step}"
+    assert gone(ckpt)
+    again = run(trainer_cmd("launch", "--nproc-per-node", "2", *TINY, f"checkpoint.dir={ckpt}", "train.epochs=4"), check=False)
+    assert again.returncode == 0 and f"resuming from {ckpt}/step-{step}" in again.stdout, again.stdout[-2000:] + again.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_stops_at_once(ckpt):
+    # the stop's save takes a minute here (a slow volume), so the second Ctrl-C lands inside it
+    agent = launch(ckpt, "checkpoint.every_epochs=0", extra_env={"TRAINER_FAULT": "before-rename:sleep=60"})
+    until(agent, "epoch 2/")
+    os.killpg(agent.pid, signal.SIGINT)
+    until(agent, "shutting down workers")  # torchrun passed the first one on
+    time.sleep(1)
+    t0 = time.time()
+    os.killpg(agent.pid, signal.SIGINT)
+    out = agent.communicate(timeout=60)[0]
+    assert agent.returncode not in (0, EXIT_USAGE, EXIT_PREEMPTED), out[-2000:]
+    assert "second Ctrl-C" in out and gone(ckpt) and time.time() - t0 < 15
+    assert not list(ckpt.glob("step-*")), "the interrupted save must not look complete"
+
+
+@pytest.mark.slow
+def test_bad_input_found_by_the_workers_exits_2_without_restarts(ckpt):
+    """`trainer torchrun` (no pre-checks, as on Kubernetes and Slurm): a worker's usage error stops
+    torchrun at once instead of being retried --max-restarts times as a crash."""
+    t0 = time.time()
+    p = run(trainer_cmd("torchrun", "--standalone", "--nproc-per-node=2", "--max-restarts=3", "-m", "trainer", "train", *TINY,
+                        f"checkpoint.dir={ckpt}", "train.bath_size=8"), check=False, timeout=120)
+    out = p.stdout + p.stderr
+    assert p.returncode == EXIT_USAGE, out[-3000:]
+    assert out.count("unknown config key 'train.bath_size'") == 1, out[-3000:]  # one attempt, rank 0 only
+    assert "Traceback" not in out and time.time() - t0 < 60
+
+
+@pytest.mark.slow
+def test_killing_the_launcher_takes_its_workers_along_and_frees_the_folder(ckpt):
+    agent = launch(ckpt)
+    until(agent, "epoch 2/")
+    assert len(trainers_on(ckpt)) >= 4  # launcher, torchrun, two workers
+    os.killpg(agent.pid, signal.SIGKILL)  # the workers run in torchrun's session, not this group
+    agent.wait(10)
+    assert gone(ckpt), f"orphaned workers: {trainers_on(ckpt)}"
+    again = run(trainer_cmd("train", *TINY, f"checkpoint.dir={ckpt}", "train.epochs=3"))
+    assert "resuming from" in again.stdout
+
+
+@pytest.mark.slow
+def test_a_second_run_on_a_held_folder_exits_2_naming_the_holder(ckpt):
+    agent = launch(ckpt)
+    until(agent, "epoch 2/")
+    before = (ckpt / "metrics.jsonl").read_text()
+    for cmd in (trainer_cmd("launch", "--nproc-per-node", "2", *TINY, f"checkpoint.dir={ckpt}"),
+                trainer_cmd("train", *TINY, f"checkpoint.dir={ckpt}")):
+        p = run(cmd, check=False, timeout=60)
+        assert p.returncode == EXIT_USAGE, p.stderr[-2000:]
+        line = [x for x in p.stderr.splitlines() if x.startswith("error:")]
+        assert len(line) == 1 and "is in use by another run" in line[0] and f"on {socket.gethostname()}" in line[0] and "since" in line[0], p.stderr
+    agent.send_signal(signal.SIGTERM)
+    agent.communicate(timeout=120)
+    after = (ckpt / "metrics.jsonl").read_text()
+    assert after.startswith(before)
+    rows = [json.loads(x) for x in after.splitlines()]
+    assert sum(r["event"] == "start" for r in rows) == 1, "the refused runs wrote into the run's log"
+
+
+# ------------------------------------------------------------------------------------------------
+# The lock itself
+
+HOLD = """
+import json, sys, time, fcntl, os
+from pathlib import Path
+path, host, age = Path(sys.argv[1]), sys.argv[2], float(sys.argv[3])
+path.parent.mkdir(parents=True, exist_ok=True)
+fd = os.open(path, os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX)
+os.write(fd, json.dumps({"host": host, "pid": os.getpid(), "since": time.time() - age, "heartbeat": time.time() - age}).encode())
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def holder(root: Path, host: str, age: float) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-c", HOLD, str(root / checkpoint.LOCK), host, str(age)], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "held"
+    return p
+
+
+def test_a_live_holder_blocks_and_a_dead_one_does_not(tmp_path):
+    h = holder(tmp_path, socket.gethostname(), 0)
+    try:
+        with pytest.raises(CheckpointError, match=rf"in use by another run \(pid {h.pid} on {socket.gethostname()}, since .*; stop that run"):
+            FolderLock(tmp_path).acquire()
+        with pytest.raises(CheckpointError, match="in use by another run"):
+            FolderLock(tmp_path).check()
+    finally:
+        h.kill()
+        h.wait()
+    lock = FolderLock(tmp_path)  # the kernel dropped the dead holder's lock
+    lock.acquire()
+    info = json.loads((tmp_path / checkpoint.LOCK).read_text())
+    assert info["pid"] == os.getpid() and info["host"] == socket.gethostname()
+    lock.release()
+
+
+def test_a_dead_hosts_lock_is_broken_after_its_heartbeat_goes_stale(tmp_path):
+    """A host that died holding the lock on a network file system: the server may keep the lock
+    for a while; a stale heartbeat (over stale_s) lets the next run take over, with a warning."""
+    fresh = holder(tmp_path, "other-host", 5)
+    try:
+        with pytest.raises(CheckpointError, match="on other-host"):
+            FolderLock(tmp_path, stale_s=60).acquire()
+    finally:
+        fresh.kill()
+        fresh.wait()
+    (tmp_path / checkpoint.LOCK).unlink()
+    stale = holder(tmp_path, "other-host", 600)
+    try:
+        said: list[str] = []
+        lock = FolderLock(tmp_path, stale_s=60)
+        lock.acquire(log=said.append)
+        assert said and "broke the lock" in said[0] and "other-host" in said[0]
+        assert json.loads((tmp_path / checkpoint.LOCK).read_text())["pid"] == os.getpid()
+        assert list(tmp_path.glob(".lock.stale-*"))
+        lock.release()
+    finally:
+        stale.kill()
+        stale.wait()
+
+
+def test_the_heartbeat_is_written_while_the_lock_is_held(tmp_path):
+    lock = FolderLock(tmp_path, heartbeat_s=0.1)
+    lock.acquire()
+    first = json.loads((tmp_path / checkpoint.LOCK).read_text())["heartbeat"]
+    time.sleep(0.5)
+    assert json.loads((tmp_path / checkpoint.LOCK).read_text())["heartbeat"] > first
+    lock.release()
+
+
+def test_set_aside_folders_are_pruned_beyond_a_small_bound(tmp_path):
+    state = {"format": checkpoint.FORMAT, "model_name": "tinynet", "model": {}, "step": 1, "epoch": 0}
+    for i in range(5):  # two writers saving the same step over and over
+        checkpoint.write(state, tmp_path, 1, keep=3)
+        time.sleep(0.01)
+    (tmp_path / "step-0.corrupt").mkdir()
+    said: list[str] = []
+    gone_ = checkpoint.prune_set_aside(tmp_path, log=said.append)
+    left = sorted(p.name for p in tmp_path.iterdir() if checkpoint.SET_ASIDE.match(p.name))
+    assert len(left) == checkpoint.KEEP_SET_ASIDE and "step-0.corrupt" in left  # the newest ones stay
+    assert gone_ and said and "deleted" in said[0]
+    assert (tmp_path / "step-1" / "state.pt").is_file()
