@@ -230,7 +230,7 @@ def test_the_heartbeat_is_written_while_the_lock_is_held(tmp_path):
 
 def test_set_aside_folders_are_pruned_beyond_a_small_bound(tmp_path):
     state = {"format": checkpoint.FORMAT, "model_name": "tinynet", "model": {}, "step": 1, "epoch": 0}
-    for i in range(5):  # two writers saving the same step over and over
+    for _ in range(5):  # two writers saving the same step over and over
         checkpoint.write(state, tmp_path, 1, keep=3)
         time.sleep(0.01)
     (tmp_path / "step-0.corrupt").mkdir()
