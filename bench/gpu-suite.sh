@@ -14,7 +14,8 @@ case ${1:-start} in
     git log -1 --format='commit %H %cd' >> "$LOG/machine.txt" 2>/dev/null || true
     export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 GPU_REPORT=$LOG/report.jsonl
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-    setsid bash -c "python3 -m pytest -m gpu tests/test_gpu.py -v -rA -p no:cacheprovider $* > $LOG/pytest.log 2>&1; echo \$? > $LOG/rc" &
+    # shellcheck disable=SC2016  # expanded by the inner shell
+    setsid bash -c 'python3 -m pytest -m gpu tests/test_gpu.py -v -rA -p no:cacheprovider "$@" > "$0/pytest.log" 2>&1; echo $? > "$0/rc"' "$LOG" "$@" &
     ;;
   wait)
     end=$((SECONDS + ${2:-500}))
