@@ -240,3 +240,19 @@ def test_set_aside_folders_are_pruned_beyond_a_small_bound(tmp_path):
     assert len(left) == checkpoint.KEEP_SET_ASIDE and "step-0.corrupt" in left  # the newest ones stay
     assert gone_ and said and "deleted" in said[0]
     assert (tmp_path / "step-1" / "state.pt").is_file()
+
+
+@pytest.mark.slow
+def test_make_run_local_shows_the_trainers_75(tmp_path):
+    """GNU make exits 2 for any failed recipe (or dies of the Ctrl-C it got too), so the 75 shows
+    in its message; `trainer launch` itself, which run-local runs, exits 75 (README)."""
+    ck = tmp_path / "ck"
+    p = subprocess.Popen(["make", "run-local", "CONFIG=configs/smoke.yaml", f"ARGS=train.epochs=400 checkpoint.dir={ck}", f"PYTHON={sys.executable}",
+                          f"VENV={Path(sys.executable).parent.parent}"], cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, start_new_session=True)
+    until(p, "epoch 2/")
+    launcher = next(c for c in psutil.Process(p.pid).children(recursive=True) if "launch" in " ".join(c.cmdline()))
+    launcher.send_signal(signal.SIGTERM)
+    out = p.communicate(timeout=120)[0]
+    assert "run-local] Error 75" in out and p.returncode == 2, out[-2000:]
+    assert newest(ck).name.startswith("step-")
