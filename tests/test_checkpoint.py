@@ -131,3 +131,59 @@ def test_async_writer_writes_the_same_checkpoint(tmp_path):
     w.wait()
     checkpoint.write(state(7), tmp_path / "b", 7, keep=2)
     assert torch.equal(checkpoint.load(tmp_path / "a" / "step-7")["model"]["w"], checkpoint.load(tmp_path / "b" / "step-7")["model"]["w"])
+
+
+def test_keep_k_needs_room_for_k_plus_one_checkpoints(tmp_path):
+    assert checkpoint.space_needed(tmp_path, 100, keep=3) == 400  # nothing there yet: K + 1 to come
+    for step in (1, 2):
+        checkpoint.write(state(step), tmp_path, step, keep=3)
+    assert checkpoint.space_needed(tmp_path, 100, keep=3) == 200
+    for step in (3, 4, 5):
+        checkpoint.write(state(step), tmp_path, step, keep=3)
+    assert checkpoint.space_needed(tmp_path, 100, keep=3) == 100  # steady state: one more at a save
+    free = __import__("shutil").disk_usage(tmp_path).free
+    with pytest.raises(CheckpointError, match=r"checkpoint.keep=2 needs \(K \+ 1 checkpoints at a save.*lower checkpoint.keep"):
+        checkpoint.probe(tmp_path / "new", free // 2, keep=2)
+    checkpoint.probe(tmp_path / "new", free // 8, keep=2)
+
+
+FULL_DISK = """
+import resource, signal, sys, torch
+from pathlib import Path
+from trainer import checkpoint
+root = Path(sys.argv[1])
+checkpoint.write({"format": 1, "model_name": "tinynet", "model": {"w": torch.ones(10)}}, root, 1, 3)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)           # a write past the limit fails with EFBIG,
+resource.setrlimit(resource.RLIMIT_FSIZE, (50_000, 50_000))  # as one past a full disk fails with ENOSPC
+try:
+    checkpoint.write({"format": 1, "model_name": "tinynet", "model": {"w": torch.ones(100_000)}}, root, 2, 3)
+except checkpoint.CheckpointError as e:
+    print(e)
+"""
+
+
+def test_a_failed_write_names_the_step_the_folder_the_space_and_the_newest_checkpoint(tmp_path):
+    p = subprocess.run([sys.executable, "-c", FULL_DISK, str(tmp_path)], capture_output=True, text=True, cwd=ROOT, env=env())
+    said = p.stdout.strip()
+    assert said.startswith(f"could not write checkpoint step-2 into {tmp_path}: File too large"), p.stdout + p.stderr
+    assert "needs about 0.00 GB" in said and "GB free" in said and "newest complete checkpoint is step-1" in said and "run again to resume" in said
+    assert [s for s, _ in checkpoint.complete(tmp_path)] == [1] and not list(tmp_path.glob(".tmp-*"))
+
+
+@pytest.mark.slow
+def test_a_full_volume_during_training_stops_with_exit_2_and_one_line(tmp_path):
+    import resource
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (5_000_000, 5_000_000))  # the 1 MB write probe fits, a ResNet-18 checkpoint (89 MB) does not
+
+    ck = tmp_path / "ck"
+    from conftest import TINY, trainer_cmd
+
+    p = subprocess.run(trainer_cmd("train", *TINY, f"checkpoint.dir={ck}", "train.epochs=2", "optim.momentum=0.9", "model.name=resnet18"), capture_output=True, text=True,
+                       cwd=ROOT, env=env(), preexec_fn=limit, timeout=120)
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert p.returncode == 2 and len(errors) == 1, p.stderr[-2000:]
+    assert "could not write checkpoint step-16" in errors[0] and "no complete checkpoint exists yet" in errors[0] and "Traceback" not in p.stderr
+    assert not list(ck.glob("step-*")) and not list(ck.glob(".tmp-*"))

@@ -106,3 +106,47 @@ def test_data_command_prepares_the_cache(tmp_path):
     root = make_folder(tmp_path / "d")
     p = run(trainer_cmd("data", "data.name=imagefolder", f"data.dir={root}", f"checkpoint.dir={tmp_path / 'ck'}"))
     assert "12 train and 12 test images" in p.stdout
+
+
+def tarballs(tmp_path: Path) -> Path:
+    src = make_folder(tmp_path / "src", per_class=40)
+    root = tmp_path / "tars"
+    root.mkdir()
+    for split in ("train", "test"):
+        with tarfile.open(root / f"set-{split}.tar.gz", "w:gz") as tar:
+            tar.add(src / split, arcname=split)
+    return root
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not a tar"])
+def test_a_broken_archive_is_one_line_and_exit_2_for_check_and_launch(tmp_path, damage):
+    root = tarballs(tmp_path)
+    f = root / "set-train.tar.gz"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2] if damage == "truncated" else b"<html>404 not found</html>" * 50)
+    args = ["data.name=imagefolder", f"data.dir={root}", f"checkpoint.dir={tmp_path / 'ck'}"]
+    for cmd in (trainer_cmd("check", *args), trainer_cmd("launch", "--nproc-per-node", "1", *args), trainer_cmd("data", *args)):
+        p = run(cmd, check=False)
+        assert p.returncode == 2, (cmd, p.stdout, p.stderr)
+        errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "set-train.tar.gz is not a complete .tar.gz archive" in errors[0] and "copy it again" in errors[0], p.stderr
+        assert "Traceback" not in p.stderr and "Aborted" not in p.stderr + p.stdout
+
+
+def test_a_damaged_cache_is_rebuilt_with_a_warning(tmp_path):
+    root = make_folder(tmp_path / "d")
+    cfg = cfg_for(root, tmp_path)
+    first, _ = data.load(cfg)
+    cache = next(root.glob("*.uint8.pt"))
+    cache.write_bytes(cache.read_bytes()[: cache.stat().st_size // 3])
+    with pytest.warns(UserWarning, match="is damaged .*decoding the data set again"):
+        again, _ = data.load(cfg)
+    assert torch.equal(again.images, first.images) and torch.equal(again.labels, first.labels)
+    assert torch.equal(data.load(cfg)[0].images, first.images)  # and the new cache loads
+
+
+def test_a_folder_of_only_unreadable_images_says_so(tmp_path):
+    root = make_folder(tmp_path / "d")
+    for f in (root / "train").rglob("*.*"):
+        f.write_bytes(b"not an image")
+    with pytest.raises(ConfigError, match=r"train: none of its 12 image files could be decoded \(first: .*\); replace them"), pytest.warns(UserWarning):
+        data.load(cfg_for(root, tmp_path))

@@ -256,3 +256,16 @@ def test_make_run_local_shows_the_trainers_75(tmp_path):
     out = p.communicate(timeout=120)[0]
     assert "run-local] Error 75" in out and p.returncode == 2, out[-2000:]
     assert newest(ck).name.startswith("step-")
+
+
+def test_launch_refuses_a_volume_without_room_for_keep_plus_one_checkpoints(tmp_path):
+    """Checked once before torchrun starts any worker (seednet: 4.8 GB a checkpoint with momentum)."""
+    import shutil
+
+    per = 604_137_490 * 4 * 2
+    keep = shutil.disk_usage(tmp_path).free // per + 1
+    p = run(trainer_cmd("launch", "--nproc-per-node", "2", "model.name=seednet", "data.name=synthetic", f"checkpoint.dir={tmp_path / 'ck'}",
+                        f"checkpoint.keep={keep}"), check=False)
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert p.returncode == EXIT_USAGE and len(errors) == 1, p.stderr
+    assert f"checkpoint.keep={keep} needs (K + 1 checkpoints at a save, 4.83 GB each)" in errors[0] and "torchrun" not in p.stderr

@@ -61,6 +61,8 @@ def test_eval_command_reproduces_the_final_accuracy(ckpt):
     final = [r for r in map(json.loads, (ckpt / "metrics.jsonl").read_text().splitlines()) if r["event"] == "epoch"][-1]
     p = run(trainer_cmd("eval", str(ckpt / "step-16")))
     assert f"test accuracy {100 * final['test_acc']:.2f}%" in p.stdout and "(200 images)" in p.stdout
+    whole = run(trainer_cmd("eval", str(ckpt)))  # the run folder: its newest complete checkpoint
+    assert whole.stdout.startswith(f"{ckpt / 'step-16'}: test accuracy {100 * final['test_acc']:.2f}%"), whole.stdout
 
 
 def test_plain_log_lines_when_not_a_terminal_and_a_bar_on_one(ckpt):

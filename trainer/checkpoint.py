@@ -195,8 +195,16 @@ def load(path: str | Path, verify_checksum: bool = True) -> dict:
     return state
 
 
-def probe(root: Path, need_bytes: int) -> None:
-    """Fail now, not after an hour, when ``root`` is unwritable or too small for one checkpoint."""
+def space_needed(root: Path, state_bytes: int, keep: int) -> int:
+    """Free bytes a run needs on top of what its folder holds: a save writes the new checkpoint
+    before it deletes the oldest, so keep-K peaks at K + 1 checkpoints."""
+    have = min(len(complete(root)), keep)
+    return max(1, keep + 1 - have) * state_bytes
+
+
+def probe(root: Path, need_bytes: int, keep: int | None = None) -> None:
+    """Fail now, not after an hour, when ``root`` is unwritable or has no room for the checkpoints
+    the run will keep (``need_bytes`` is one checkpoint; ``keep`` K means K + 1 at a save)."""
     try:
         root.mkdir(parents=True, exist_ok=True)
         test = root / f".write-probe-{os.getpid()}"
@@ -208,10 +216,12 @@ def probe(root: Path, need_bytes: int) -> None:
     except OSError as e:
         raise CheckpointError(f"checkpoint.dir={root} is not writable ({e.strerror}); mount it read-write or set checkpoint.dir to a writable folder") from None
     free = shutil.disk_usage(root).free
-    if free < need_bytes * 1.1:
+    need = need_bytes if keep is None else space_needed(root, need_bytes, keep)
+    if free < need * 1.1:
+        what = "one checkpoint needs" if keep is None else f"checkpoint.keep={keep} needs (K + 1 checkpoints at a save, {need_bytes / 1e9:.2f} GB each)"
         raise CheckpointError(
-            f"checkpoint.dir={root} has {free / 1e9:.2f} GB free but one checkpoint needs about {need_bytes / 1e9:.2f} GB; "
-            f"free space or point checkpoint.dir at a larger volume"
+            f"checkpoint.dir={root} has {free / 1e9:.2f} GB free but {what} about {need / 1e9:.2f} GB more; "
+            f"free space, lower checkpoint.keep, or point checkpoint.dir at a larger volume"
         )
 
 
@@ -239,14 +249,48 @@ def write(state: dict, root: Path, step: int, keep: int) -> Path:
             final.rename(root / f"step-{step}.replaced-{time.time_ns()}")
         tmp.rename(final)
         _fsync_dir(root)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        failure = _os_error(e)
+        if failure is not None:  # a full, read-only or vanished volume: say so, do not crash-loop
+            raise CheckpointError(_write_failed(state, root, step, failure)) from None
         raise
     for _, old in complete(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     prune_set_aside(root, log=lambda m: print(m, file=sys.stderr, flush=True))
     return final
 
+
+
+def _os_error(e: BaseException | None) -> OSError | None:
+    """The file-system error behind ``e`` (torch.save wraps it in a RuntimeError of its own)."""
+    seen = 0
+    while e is not None and seen < 10:
+        if isinstance(e, OSError):
+            return e
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return None
+
+
+def _tensor_bytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+def _write_failed(state: dict, root: Path, step: int, e: OSError) -> str:
+    try:
+        free = f"{shutil.disk_usage(root).free / 1e9:.2f} GB free"
+    except OSError:
+        free = "free space unknown"
+    newest = newest_complete(root)
+    kept = f"the newest complete checkpoint is {newest.name}" if newest else "no complete checkpoint exists yet"
+    return (f"could not write checkpoint step-{step} into {root}: {e.strerror or e} (it needs about {_tensor_bytes(state) / 1e9:.2f} GB, "
+            f"{free}); {kept}; free space or point checkpoint.dir at a larger volume, then run again to resume")
 
 
 # --------------------------------------------------------------------------------------------
@@ -536,6 +580,14 @@ class AsyncWriter:
 # The one owner.
 
 
+def state_bytes(model: nn.Module, cfg: Config) -> int:
+    """Bytes of one checkpoint: the weights, plus one copy per optimizer state tensor and Lookahead
+    (a model on the meta device will do: only shapes are read)."""
+    n = sum(p.numel() * p.element_size() for p in model.parameters())
+    copies = 1 + (2 if cfg.optim.name == "adamw" else int(cfg.optim.momentum > 0)) + int(cfg.optim.ema_every > 0)
+    return n * copies
+
+
 class Checkpointer:
     """Picks the checkpoint to resume from, restores it into the registered parts, and saves them
     (synchronously, or through a pinned snapshot and a background write). Rank 0 writes; every
@@ -554,17 +606,10 @@ class Checkpointer:
         self.lock = FolderLock(self.root)
 
     # -- picking (rank 0) -------------------------------------------------------------------
-    def state_bytes(self, model: nn.Module) -> int:
-        """Bytes of one checkpoint: the weights, plus one copy per optimizer state tensor and Lookahead."""
-        c = self.cfg
-        n = sum(p.numel() * p.element_size() for p in model.parameters())
-        copies = 1 + (2 if c.optim.name == "adamw" else int(c.optim.momentum > 0)) + int(c.optim.ema_every > 0)
-        return n * copies
-
     def pick(self, model: nn.Module) -> Path | None:
         """Rank 0, before anything is written: the folder is writable and has room, this process
         holds it alone, leftovers are cleaned; returns the checkpoint to resume from (or None)."""
-        probe(self.root, self.state_bytes(model))
+        probe(self.root, state_bytes(model, self.cfg), self.cfg.checkpoint.keep)
         restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
         self.lock.acquire(wait_s=30.0 if restarted else 0.0, log=self.log)
         resume = self.cfg.checkpoint.resume

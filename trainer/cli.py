@@ -105,13 +105,13 @@ def train(config_file, overrides):
 @click.argument("checkpoint_path", metavar="CHECKPOINT")
 @config_options
 def eval_cmd(checkpoint_path, config_file, overrides):
-    """Test accuracy of a saved checkpoint (a step-N folder). Overrides such as data.dir=... apply
-    on top of the config stored in the checkpoint."""
+    """Test accuracy of a saved checkpoint (a step-N folder, or a run folder: its newest complete
+    one). Overrides such as data.dir=... apply on top of the config stored in the checkpoint."""
     from trainer.evaluate import evaluate_checkpoint
 
-    loss, acc, n = evaluate_checkpoint(checkpoint_path, config_file, overrides)
+    used, loss, acc, n = evaluate_checkpoint(checkpoint_path, config_file, overrides)
     if os.environ.get("RANK", "0") == "0":
-        click.echo(f"{checkpoint_path}: test accuracy {100 * acc:.2f}% ({n} images), test loss {loss:.4f}")
+        click.echo(f"{used}: test accuracy {100 * acc:.2f}% ({n} images), test loss {loss:.4f}")
 
 
 @main.command()

@@ -16,6 +16,7 @@ import os
 import tarfile
 import tempfile
 import warnings
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,9 +92,17 @@ def _cached(cfg: Config, key: str, build) -> tuple[Split, Split]:
             _save_atomic({"train_x": train.images, "train_y": train.labels, "test_x": test.images,
                           "test_y": test.labels, "classes": train.classes}, path)
             return train, test
-    blob = torch.load(path, weights_only=True)
-    classes = list(blob["classes"])
-    return Split(blob["train_x"], blob["train_y"], classes), Split(blob["test_x"], blob["test_y"], classes)
+    try:
+        blob = torch.load(path, weights_only=True)
+        classes = list(blob["classes"])
+        return Split(blob["train_x"], blob["train_y"], classes), Split(blob["test_x"], blob["test_y"], classes)
+    except Exception as e:  # noqa: BLE001 - a cut-short or overwritten cache: any load error means the same
+        why = " ".join(str(e).split())[:100]
+        warnings.warn(f"the data cache {path} is damaged ({e.__class__.__name__}: {why}); decoding the data set again", stacklevel=2)
+        with machine_lock(folder, "cache"):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        return _cached(cfg, key, build)
 
 
 # --------------------------------------------------------------------------------------------
@@ -152,13 +161,34 @@ def _members(source: Path):
                 if f.suffix.lower() in IMAGE_SUFFIXES:
                     yield cls_dir.name, str(f), f.read_bytes()
         return
-    with tarfile.open(source, "r:*") as tar:
-        for m in tar:
-            parts = Path(m.name).parts
-            if m.isfile() and len(parts) >= 2 and Path(m.name).suffix.lower() in IMAGE_SUFFIXES:
-                fh = tar.extractfile(m)
-                if fh is not None:
-                    yield parts[-2], f"{source}:{m.name}", fh.read()
+    try:
+        with tarfile.open(source, "r:*") as tar:
+            for m in tar:
+                parts = Path(m.name).parts
+                if m.isfile() and len(parts) >= 2 and Path(m.name).suffix.lower() in IMAGE_SUFFIXES:
+                    fh = tar.extractfile(m)
+                    if fh is not None:
+                        yield parts[-2], f"{source}:{m.name}", fh.read()
+    except (tarfile.TarError, EOFError, zlib.error, OSError) as e:  # not a tar, cut short, bad gzip
+        raise ConfigError(_bad_archive(source, e)) from None
+
+
+def _bad_archive(source: Path, e: BaseException) -> str:
+    why = " ".join(str(e).split())[:100] or e.__class__.__name__
+    return f"{source} is not a complete .tar.gz archive ({why}); download or copy it again, or unpack it into {source.parent}/<split>/<class>/"
+
+
+def check_archive(source: Path) -> None:
+    """Read a tarball to its end without decoding any image (a second or so for CIFAR-10): a
+    truncated or foreign file raises ConfigError before any worker starts."""
+    if source.is_dir():
+        return
+    try:
+        with tarfile.open(source, "r:*") as tar:
+            for _ in tar:
+                pass
+    except (tarfile.TarError, EOFError, zlib.error, OSError) as e:
+        raise ConfigError(_bad_archive(source, e)) from None
 
 
 def _decode_folder(source: Path) -> tuple[torch.Tensor, list[str], list[str]]:
@@ -178,6 +208,8 @@ def _decode_folder(source: Path) -> tuple[torch.Tensor, list[str], list[str]]:
     if bad:
         more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
         warnings.warn(f"skipped {len(bad)} unreadable image(s): {', '.join(bad[:3])}{more}", stacklevel=2)
+    if not images and bad:
+        raise ConfigError(f"{source}: none of its {len(bad)} image files could be decoded (first: {bad[0]}); replace them with readable images")
     if not images:
         raise ConfigError(f"{source} holds no class folders with images ({', '.join(IMAGE_SUFFIXES)}); expected {source}/<class>/<image>")
     return torch.stack(images).permute(0, 3, 1, 2).contiguous(), names, bad

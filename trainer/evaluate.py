@@ -18,7 +18,9 @@ def preflight(cfg: Config) -> None:
     data. Raises ConfigError (exit 2); changes nothing on disk."""
     check_devices(cfg)
     root = Path(cfg.checkpoint.dir)
-    checkpoint.probe(root, 0)
+    with torch.device("meta"):  # shapes only: no memory, no time
+        shapes = models.build(cfg.model.name)
+    checkpoint.probe(root, checkpoint.state_bytes(shapes, cfg), cfg.checkpoint.keep)
     checkpoint.FolderLock(root).check()  # another live run writes there: exit 2 now, naming it
     folder = checkpoint.explicit_resume(root, cfg.checkpoint.resume)
     if cfg.checkpoint.resume == "auto":
@@ -34,18 +36,22 @@ def preflight(cfg: Config) -> None:
         if not Path(d.dir).is_dir():
             raise ConfigError(f"data.dir={d.dir} does not exist; create it or point data.dir at the data set")
         for split in ("train", "test"):
-            data._find_source(Path(d.dir), split)
+            data.check_archive(data._find_source(Path(d.dir), split))
     elif d.name == "cifar10" and not d.download and not (Path(d.dir) / "cifar-10-batches-py").is_dir():
         raise ConfigError(f"CIFAR-10 is not in data.dir={d.dir} and data.download=false; set data.download=true or point data.dir at it")
 
 
-def evaluate_checkpoint(path: str, config_file: str | None, overrides) -> tuple[float, float, int]:
-    """(test loss, test accuracy, test images) of the checkpoint at ``path``."""
+def evaluate_checkpoint(path: str, config_file: str | None, overrides) -> tuple[str, float, float, int]:
+    """(checkpoint, test loss, test accuracy, test images) of the checkpoint at ``path`` (a step-N
+    folder, its state.pt, or a run folder: then its newest complete checkpoint)."""
     from trainer.dist import setup, teardown
     from trainer.loader import Augment
     from trainer.loop import evaluate
     from trainer.setup import Fast
 
+    folder = Path(path)
+    if folder.is_dir() and not (folder / checkpoint.STATE).exists() and (newest := checkpoint.newest_complete(folder)) is not None:
+        path = str(newest)  # a run folder: its newest complete checkpoint
     state = checkpoint.load(path)
     base = from_dict(state["config"])
     base.train.strategy = "auto"  # evaluate wherever we are, whatever the run used
@@ -64,7 +70,7 @@ def evaluate_checkpoint(path: str, config_file: str | None, overrides) -> tuple[
             model.to(memory_format=torch.channels_last)
         _, test_split = data.load(cfg)
         loss, acc = evaluate(model, test_split, cfg, rt, Augment(cfg, rt, fast.channels_last), fast.bf16)
-        return loss, acc, len(test_split)
+        return str(path), loss, acc, len(test_split)
     finally:
         teardown()
 
