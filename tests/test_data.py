@@ -36,9 +36,11 @@ def test_synthetic_set_is_cifar_shaped_and_deterministic():
     assert torch.equal(data.synthetic(100, 20)[0].images, train.images)
 
 
-def test_imagefolder_reads_class_folders_with_labels_in_sorted_order(tmp_path):
+def test_imagefolder_reads_class_folders_with_labels_in_sorted_order(tmp_path, capsys):
     root = make_folder(tmp_path / "d")
     train, test = data.load(cfg_for(root, tmp_path))
+    said = capsys.readouterr().err
+    assert f"decoding {root / 'train'} into the uint8 cache" in said and "decoded 12 images of train" in said
     assert train.classes == ["blue", "green", "red"] and len(train) == 12 and len(test) == 12
     for img, label in zip(train.images, train.labels, strict=True):
         mean = img.float().mean(dim=(1, 2))

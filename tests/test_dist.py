@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -130,6 +131,9 @@ def test_legacy_torch_distributed_launch_still_works(ckpt):
     assert "strategy ddp x2" in p.stdout and (ckpt / "step-16").is_dir()
 
 
-def test_train_helper_runs_a_single_process(ckpt):
-    train(ckpt, "train.epochs=1")
-    assert (ckpt / "step-16").is_dir()
+def test_a_plain_process_trains_alone_on_the_cpu_without_a_process_group(ckpt):
+    """No launcher at all (the article's first part): strategy cpu, world size 1, no rendezvous."""
+    p = train(ckpt, "train.epochs=1")
+    assert "strategy cpu x1 on cpu" in p.stdout and (ckpt / "step-16" / "state.pt").is_file()
+    start = next(json.loads(line) for line in (ckpt / "metrics.jsonl").read_text().splitlines() if '"start"' in line)
+    assert (start["strategy"], start["world_size"]) == ("cpu", 1)

@@ -86,6 +86,8 @@ def test_a_stop_signal_gives_75_with_a_checkpoint_of_that_step_and_a_relaunch_re
     assert agent.returncode == EXIT_PREEMPTED, out[-3000:]
     assert "Traceback" not in out and "SignalException" not in out, out[-3000:]
     sig = "SIGINT" if "Ctrl-C" in how else "SIGTERM"
+    assert f"{sig} received: the workers stop after their current step" in out  # the launcher, at once
+    assert f"{sig} received: stopping after the current step and saving" in out  # rank 0, at once
     stopped = [line for line in out.splitlines() if line.startswith(f"stopped by {sig} at step")]
     assert stopped, out[-3000:]
     step = int(stopped[0].split("at step ")[1].split(";")[0])

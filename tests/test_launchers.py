@@ -76,16 +76,6 @@ def test_shell_scripts_are_shellcheck_clean():
     assert p.returncode == 0, p.stdout
 
 
-def test_slurm_scripts_declare_resources_signal_and_requeue():
-    ddp = (ROOT / "slurm" / "ddp.sh").read_text()
-    for line in ["--nodes=", "--ntasks-per-node=1", "--gpus-per-node=", "--signal=B:USR1@", "--requeue"]:
-        assert f"#SBATCH {line}" in ddp
-    launch = (ROOT / "slurm" / "launch.sh").read_text()
-    assert "scontrol show hostnames" in launch and '--nnodes="$SLURM_NNODES"' in launch
-    assert "--rdzv-backend=c10d" in launch and '--rdzv-id="$SLURM_JOB_ID"' in launch and "--local-addr" in launch
-    assert "RUN_NAME" in launch and "--container-image" in launch and "scontrol requeue" in launch
-
-
 # ------------------------------------------------------------------------------------------------
 # Kubernetes
 

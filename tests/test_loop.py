@@ -133,3 +133,21 @@ def test_profiler_writes_a_trace_a_table_and_a_summary(ckpt):
     train(ckpt / "b", "train.epochs=1", "profile.steps=6", "profile.skip=14")
     rows = [json.loads(line) for line in (ckpt / "b" / "metrics.jsonl").read_text().splitlines()]
     assert [r["steps"] for r in rows if r["event"] == "profile"] == [2]
+
+
+def test_log_lines_come_by_time_too_with_an_eta(ckpt):
+    """A slow step (a big model on a CPU) still shows progress: a line once train.log_seconds pass."""
+    p = train(ckpt, "train.epochs=1", "train.log_every=1000", "train.log_seconds=0.000001")
+    lines = [x for x in p.stdout.splitlines() if x.startswith("epoch 1/1 step ")]
+    assert len(lines) == 16 and all(" eta " in x for x in lines), p.stdout
+    assert lines[-1].endswith("eta 0m00s")
+    quiet = train(ckpt.parent / "quiet", "train.epochs=1", "train.log_every=1000", "train.log_seconds=0")
+    assert not [x for x in quiet.stdout.splitlines() if x.startswith("epoch 1/1 step ")]
+
+
+def test_a_resumed_epochs_figures_say_they_cover_part_of_it(ckpt):
+    train(ckpt, "train.epochs=1", "train.max_steps=10", "checkpoint.every_steps=5")
+    p = train(ckpt, "train.epochs=1")
+    assert "epoch 1/1 | train loss" in p.stdout and "(steps 11-16, after a resume)" in p.stdout, p.stdout
+    last = [json.loads(x) for x in (ckpt / "metrics.jsonl").read_text().splitlines() if '"epoch"' in x][-1]
+    assert last["resumed_at_epoch_step"] == 10 and last["steps"] == 6

@@ -85,3 +85,33 @@ def test_usr1_before_the_time_limit_checkpoints_requeues_and_resumes(tmp_path):
     assert f"step-{stopped.group(1)}" in out.split("requeueing")[1]  # the next run resumed from that step
     assert "resuming from" in out and "done: step 1280" in out
     assert (tmp_path / "checkpoints" / "pre" / "step-1280").is_dir()
+
+
+def test_a_plain_sigterm_to_the_job_step_ends_the_job_with_75_and_a_checkpoint(tmp_path):
+    """The exit contract at the batch step: scancel --signal=TERM (no time-limit warning, so no
+    requeue) -> the workers save, `trainer torchrun` gives 75, srun and the batch script pass it on."""
+    job = sbatch("slurm/ddp.sh", tmp_path, "train.epochs=40", "train.log_every=4", wait=False, run_name="term")
+    metrics = tmp_path / "checkpoints" / "term" / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and not (metrics.exists() and '"event": "log"' in metrics.read_text()):
+        time.sleep(0.5)
+    assert metrics.exists(), log(tmp_path, job)
+    subprocess.run(["scancel", "--signal=TERM", job], check=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and job_field(job, "JobState") not in ("COMPLETED", "FAILED", "CANCELLED"):
+        time.sleep(1)
+    out = log(tmp_path, job)
+    assert job_field(job, "JobState") == "FAILED" and job_field(job, "ExitCode") == "75:0", out
+    stopped = re.search(r"stopped by SIGTERM at step (\d+)", out)
+    assert stopped and (tmp_path / "checkpoints" / "term" / f"step-{stopped.group(1)}" / "state.pt").is_file(), out
+
+
+def test_the_ddp_script_asks_for_requeue_a_time_limit_and_one_task_per_node(tmp_path):
+    """What Slurm itself parsed from slurm/ddp.sh's #SBATCH lines (a held job; nothing runs)."""
+    job = sbatch("slurm/ddp.sh", tmp_path, wait=False, extra_env={"SBATCH_HOLD": "1"})
+    try:
+        assert job_field(job, "Requeue") == "1" and job_field(job, "TimeLimit") == "04:00:00"
+        assert job_field(job, "NumTasks") in ("1", "1-1") or "NumTasks=1" in subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
+        assert job_field(job, "JobName") == "cifar-ddp" and "--signal=B:USR1@120" not in job_field(job, "Command")
+    finally:
+        subprocess.run(["scancel", job])

@@ -126,9 +126,10 @@ def config(show_keys, config_file, overrides):
 @config_options
 def check(config_file, overrides):
     """Validate config and inputs without training (launchers run this before torchrun)."""
+    cfg = load_config(config_file, overrides)  # usage errors before torch is imported
     from trainer.evaluate import preflight
 
-    preflight(load_config(config_file, overrides))
+    preflight(cfg)
     click.echo("ok")
 
 
@@ -136,9 +137,10 @@ def check(config_file, overrides):
 @config_options
 def data(config_file, overrides):
     """Download or decode the data set into its uint8 cache, then exit (e.g. an init container)."""
+    cfg = load_config(config_file, overrides)  # usage errors before torch is imported
     from trainer import data as datasets
 
-    train_split, test_split = datasets.load(load_config(config_file, overrides))
+    train_split, test_split = datasets.load(cfg)
     click.echo(f"{len(train_split)} train and {len(test_split)} test images, classes: {', '.join(train_split.classes)}")
 
 
@@ -151,10 +153,10 @@ def data(config_file, overrides):
 def launch(nproc_per_node, max_restarts, config_file, overrides):
     """Check the input and fetch or decode the data set once, then exec torchrun -m trainer train
     with the same arguments (a usage error or a missing data set exits 2 here, not once per restart)."""
+    cfg = load_config(config_file, overrides)  # usage errors before torch is imported (seconds)
     from trainer import data as datasets
     from trainer.evaluate import preflight
 
-    cfg = load_config(config_file, overrides)
     preflight(cfg)
     if cfg.data.name != "synthetic":
         datasets.load(cfg)  # into the uint8 cache that the workers then read

@@ -139,6 +139,9 @@ class TrainConfig:
     """bf16 autocast or plain fp32 (auto: bf16 on CUDA)."""
     log_every: int = 50
     """Steps between log lines: each one is a CPU-GPU sync point."""
+    log_seconds: float = 30.0
+    """Also a log line once this many seconds have passed since the last one (0 = steps only), so
+    that slow steps (a big model on a CPU) still show progress."""
     max_steps: int = 0
     """Stop after this many steps in all (0 = run every epoch); for benchmarks and smoke runs."""
     eval_every: int = 1

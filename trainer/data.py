@@ -13,8 +13,10 @@ import fcntl
 import hashlib
 import io
 import os
+import sys
 import tarfile
 import tempfile
+import time
 import warnings
 import zlib
 from dataclasses import dataclass
@@ -25,6 +27,7 @@ import torch
 from trainer.config import Config, ConfigError
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
+PROGRESS_S = 5.0
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR_STD = (0.2470, 0.2435, 0.2616)
 
@@ -195,7 +198,12 @@ def _decode_folder(source: Path) -> tuple[torch.Tensor, list[str], list[str]]:
     from PIL import Image, UnidentifiedImageError
 
     images, names, bad = [], [], []
+    t0 = last = time.monotonic()
+    print(f"decoding {source} into the uint8 cache (once per data set and machine) ...", file=sys.stderr, flush=True)
     for cls, name, raw in _members(source):
+        if time.monotonic() - last >= PROGRESS_S:  # a line every few seconds: 25 s of silence looks like a hang
+            last = time.monotonic()
+            print(f"  decoded {len(images):,} images in {last - t0:.0f} s", file=sys.stderr, flush=True)
         try:
             with Image.open(io.BytesIO(raw)) as im:
                 im = im.convert("RGB")
@@ -208,6 +216,7 @@ def _decode_folder(source: Path) -> tuple[torch.Tensor, list[str], list[str]]:
     if bad:
         more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
         warnings.warn(f"skipped {len(bad)} unreadable image(s): {', '.join(bad[:3])}{more}", stacklevel=2)
+    print(f"  decoded {len(images):,} images of {source.name} in {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
     if not images and bad:
         raise ConfigError(f"{source}: none of its {len(bad)} image files could be decoded (first: {bad[0]}); replace them with readable images")
     if not images:

@@ -70,7 +70,10 @@ class StopFlag:
     def _on_signal(self, signum, frame) -> None:
         if self.signal_name is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt  # a second Ctrl-C stops at once
+        first = self.signal_name is None
         self.signal_name = signal.Signals(signum).name
+        if first and self.rt.is_main:  # at once, not when the step ends
+            print(f"{self.signal_name} received: stopping after the current step and saving a checkpoint (Ctrl-C again stops at once)", flush=True)
 
     @property
     def raised(self) -> bool:

@@ -113,6 +113,8 @@ def supervise(torchrun_args: list[str], poll_s: float = 0.5, grace_s: float = 60
             print("second Ctrl-C: stopping at once (the save in progress is lost; earlier checkpoints stay)", file=sys.stderr, flush=True)
             proc.kill()  # the workers follow (PR_SET_PDEATHSIG)
         elif len(got) == 1:  # torchrun forwards it to every worker; a repeat would only disturb its shutdown
+            print(f"{signal.Signals(signum).name} received: the workers stop after their current step and save a checkpoint "
+                  "(Ctrl-C again stops at once)", file=sys.stderr, flush=True)
             proc.send_signal(FORWARDED[signum])
 
     proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=die_with_parent)

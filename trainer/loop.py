@@ -145,6 +145,7 @@ class Trainer:
         self.timer.reset()
         loss_sum, window_loss = torch.zeros((), device=self.rt.device), torch.zeros((), device=self.rt.device)
         steps = window = 0
+        self.resumed_at = st.epoch_step  # > 0: this epoch's figures cover only the steps after a resume
         window_start = t_epoch = time.perf_counter()
         batches = r.loader.epoch(epoch, st.epoch_step)
         while True:
@@ -170,11 +171,13 @@ class Trainer:
                 _ = loss.item()  # one-time sync: time to first step includes compilation
                 self.first_step_s = time.perf_counter() - r.started_at
                 r.log.write({"event": "first_step", "seconds": round(self.first_step_s, 3)})
-            if st.step % cfg.train.log_every == 0:
-                value = (window_loss / window).item()  # CPU-GPU sync point, once per log_every steps
+            now = time.perf_counter()  # a host clock read, no sync
+            if st.step % cfg.train.log_every == 0 or (cfg.train.log_seconds and now - window_start >= cfg.train.log_seconds):
+                value = (window_loss / window).item()  # CPU-GPU sync point, once per log line
                 now = time.perf_counter()
                 ips = window * cfg.train.batch_size / (now - window_start)
-                r.say.step(epoch, cfg.train.epochs, st.epoch_step, r.steps_per_epoch, value, ips)
+                eta = (r.total_steps - st.step) * (now - window_start) / window
+                r.say.step(epoch, cfg.train.epochs, st.epoch_step, r.steps_per_epoch, value, ips, eta)
                 r.log.write({"event": "log", "epoch": epoch, "step": st.step, "loss": round(value, 5),
                              "images_per_s": round(ips, 1), "window_steps": window})
                 window_loss.zero_()
@@ -210,12 +213,14 @@ class Trainer:
             test_loss, test_acc = evaluate(self.r.eval_model, self.r.test_split, self.cfg, self.rt, self.r.augment, self.r.fast.bf16)
         if not self.done_steps() or st.epoch_step >= self.r.steps_per_epoch:
             st.epoch, st.epoch_step = epoch + 1, 0
-        record = {"event": "epoch", "epoch": epoch + 1, "step": st.step, **self.epoch_stats,
+        partial = {"resumed_at_epoch_step": self.resumed_at} if self.resumed_at else {}
+        record = {"event": "epoch", "epoch": epoch + 1, "step": st.step, **self.epoch_stats, **partial,
                   "test_loss": None if test_loss is None else round(test_loss, 5), "test_acc": None if test_acc is None else round(test_acc, 5)}
         self.r.log.write(record)
         acc = "" if test_acc is None else f" | test acc {100 * test_acc:.2f}%"
         ips = self.epoch_stats["images_per_s"] or 0
-        self.r.say.line(f"epoch {epoch + 1}/{cfg.train.epochs} | train loss {self.epoch_stats['train_loss']:.4f}{acc} | {ips:,.0f} img/s | {self.epoch_stats['train_seconds']:.1f}s")
+        part = f" (steps {self.resumed_at + 1}-{self.resumed_at + self.epoch_stats['steps']}, after a resume)" if self.resumed_at else ""
+        self.r.say.line(f"epoch {epoch + 1}/{cfg.train.epochs} | train loss {self.epoch_stats['train_loss']:.4f}{part}{acc} | {ips:,.0f} img/s | {self.epoch_stats['train_seconds']:.1f}s")
         every = cfg.checkpoint.every_epochs
         if not last and every and (epoch + 1) % every == 0:
             self.save()

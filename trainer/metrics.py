@@ -139,6 +139,11 @@ class StepProfiler:
                 "host_waits_per_step": {k: round(v / n, 2) for k, v in sorted(waits.items())}}
 
 
+def duration(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
 class Progress:
     """A one-line bar on a terminal, plain log lines otherwise."""
 
@@ -146,10 +151,12 @@ class Progress:
         self.enabled = enabled
         self.tty = enabled and sys.stdout.isatty()
 
-    def step(self, epoch: int, epochs: int, step: int, steps: int, loss: float, images_per_s: float) -> None:
+    def step(self, epoch: int, epochs: int, step: int, steps: int, loss: float, images_per_s: float, eta_s: float | None = None) -> None:
         if not self.enabled:
             return
         text = f"epoch {epoch + 1}/{epochs} step {step}/{steps} loss {loss:.4f} {images_per_s:,.0f} img/s"
+        if eta_s is not None:
+            text += f" eta {duration(eta_s)}"
         if self.tty:
             done = int(30 * step / max(1, steps))
             print(f"\r[{'#' * done}{'.' * (30 - done)}] {text}", end="", flush=True)

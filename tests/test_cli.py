@@ -1,0 +1,33 @@
+"""The command line: fast for what needs no torch, one line for every usage error."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT, env
+
+PROBE = """
+import sys
+from trainer.cli import main
+try:
+    main(sys.argv[1:], prog_name="trainer")
+except SystemExit as e:
+    code = e.code
+print("torch imported:", "torch" in sys.modules, "exit:", code)
+"""
+
+
+@pytest.mark.parametrize("args, code", [
+    (["--help"], 0),
+    (["config", "--explain"], 0),
+    (["train", "train.bath_size=64"], 2),
+    (["launch", "--config", "configs/nope.yaml"], 2),
+    (["check", "train.epochs=many"], 2),
+    (["data", "data.name=mnist"], 2),
+])
+def test_help_and_usage_errors_do_not_import_torch(args, code):
+    """torch takes seconds to import; `trainer --help`, `trainer config` and usage errors need none of it."""
+    p = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, cwd=ROOT, env=env())
+    assert f"torch imported: False exit: {code}" in p.stdout, p.stdout + p.stderr
