@@ -95,6 +95,7 @@ def train(config_file, overrides):
             code = Trainer(run).fit()
         finally:
             run.checkpointer.close()
+            run.log.close()
     finally:
         teardown()
     record_exit(code)

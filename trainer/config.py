@@ -151,6 +151,10 @@ class TrainConfig:
     copies shifted by one pixel (flip_translate)."""
     plot: bool = True
     """Write curves.png (loss and accuracy) at the end."""
+    tensorboard: bool = True
+    """TensorBoard scalars (loss, accuracy, lr, images/s, step time) in checkpoint.dir/tensorboard,
+    from rank 0, when the tensorboard package is installed (pip install 'cluster-trainer[tensorboard]');
+    silently off without it. A resumed run continues the same curves."""
 
 
 @dataclass

@@ -179,7 +179,7 @@ class Trainer:
                 eta = (r.total_steps - st.step) * (now - window_start) / window
                 r.say.step(epoch, cfg.train.epochs, st.epoch_step, r.steps_per_epoch, value, ips, eta)
                 r.log.write({"event": "log", "epoch": epoch, "step": st.step, "loss": round(value, 5),
-                             "images_per_s": round(ips, 1), "window_steps": window})
+                             "images_per_s": round(ips, 1), "window_steps": window, "lr": r.schedule.get_last_lr()[0]})
                 window_loss.zero_()
                 window, window_start = 0, now
             with record_function("step.stop_poll"):

@@ -170,17 +170,59 @@ class Progress:
             print(text, flush=True)
 
 
-class RunLog:
-    """metrics.jsonl in the run folder, one record per event (rank 0 only)."""
+class Board:
+    """TensorBoard scalars beside metrics.jsonl, so that `tensorboard --logdir checkpoints` shows
+    every run. Rank 0 only; nothing at all when the tensorboard package is missing. A resumed run
+    writes from its resume step on (``purge_step``): what a crashed attempt logged past the
+    checkpoint it resumed from is dropped, so each curve is one line."""
 
-    def __init__(self, folder: Path, rt: Runtime):
+    SCALARS = {  # metrics.jsonl event -> {record key: TensorBoard tag}
+        "log": {"loss": "train/loss", "images_per_s": "train/images_per_s", "lr": "train/lr"},
+        "epoch": {"train_loss": "epoch/train_loss", "test_loss": "epoch/test_loss", "test_acc": "epoch/test_acc",
+                  "images_per_s": "epoch/images_per_s", "step_ms_per_step": "epoch/step_ms", "data_ms_per_step": "epoch/data_ms"},
+    }
+
+    def __init__(self, folder: Path, resume_step: int | None):
+        self.writer = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:  # the optional extra is not installed
+            return
+        # purge_step drops the earlier attempts' events from that step on: keep the resume step's own
+        self.writer = SummaryWriter(log_dir=str(folder / "tensorboard"), purge_step=resume_step + 1 if resume_step else None, flush_secs=30)
+
+    def add(self, record: dict) -> None:
+        tags = self.SCALARS.get(record.get("event"))
+        if self.writer is None or not tags:
+            return
+        for key, tag in tags.items():
+            if record.get(key) is not None:
+                self.writer.add_scalar(tag, record[key], global_step=record["step"])
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+class RunLog:
+    """metrics.jsonl in the run folder, one record per event, and TensorBoard's copy of its
+    scalars (rank 0 only)."""
+
+    def __init__(self, folder: Path, rt: Runtime, tensorboard: bool = False, resume_step: int | None = None):
         self.path = folder / "metrics.jsonl"
         self.enabled = rt.is_main
+        self.board = Board(folder, resume_step) if tensorboard and self.enabled else None
 
     def write(self, record: dict) -> None:
         if self.enabled:
             with open(self.path, "a") as fh:
                 fh.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
+            if self.board is not None:
+                self.board.add(record)
+
+    def close(self) -> None:
+        if self.board is not None:
+            self.board.close()
 
     def records(self, kind: str) -> list[dict]:
         if not self.path.exists():

@@ -148,5 +148,5 @@ def build(cfg: Config, rt: Runtime, started_at: float | None = None) -> Run:
         loader=make_train_loader(cfg, rt, train_split, fast.device_resident, augment), augment=augment,
         steps_per_epoch=steps_per_epoch, total_steps=total, stop=StopFlag(rt),
         checkpointer=ckpt,
-        log=RunLog(root, rt), say=say, resumed_from=resumed_from, started_at=started_at,
+        log=RunLog(root, rt, cfg.train.tensorboard, state.step if resumed_from else None), say=say, resumed_from=resumed_from, started_at=started_at,
     )
