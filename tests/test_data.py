@@ -47,13 +47,19 @@ def test_imagefolder_reads_class_folders_with_labels_in_sorted_order(tmp_path, c
         assert int(mean.argmax()) == {"blue": 2, "green": 1, "red": 0}[train.classes[label]]
 
 
-def test_imagefolder_reads_tarballs_and_resizes(tmp_path):
-    src = make_folder(tmp_path / "src", size=40)
+def tarballs(tmp_path: Path, **kw) -> Path:
+    """make_folder's splits as set-train.tar.gz and set-test.tar.gz in tmp_path/tars."""
+    src = make_folder(tmp_path / "src", **kw)
     root = tmp_path / "tars"
     root.mkdir()
     for split in ("train", "test"):
         with tarfile.open(root / f"set-{split}.tar.gz", "w:gz") as tar:
             tar.add(src / split, arcname=split)
+    return root
+
+
+def test_imagefolder_reads_tarballs_and_resizes(tmp_path):
+    root = tarballs(tmp_path, size=40)
     train, _ = data.load(cfg_for(root, tmp_path))
     assert train.images.shape == (12, 3, 32, 32) and train.classes == ["blue", "green", "red"]
     assert list(root.glob("*.uint8.pt")), "decoded once into a cache beside the data"
@@ -110,19 +116,10 @@ def test_data_command_prepares_the_cache(tmp_path):
     assert "12 train and 12 test images" in p.stdout
 
 
-def tarballs(tmp_path: Path) -> Path:
-    src = make_folder(tmp_path / "src", per_class=40)
-    root = tmp_path / "tars"
-    root.mkdir()
-    for split in ("train", "test"):
-        with tarfile.open(root / f"set-{split}.tar.gz", "w:gz") as tar:
-            tar.add(src / split, arcname=split)
-    return root
-
 
 @pytest.mark.parametrize("damage", ["truncated", "not a tar"])
 def test_a_broken_archive_is_one_line_and_exit_2_for_check_and_launch(tmp_path, damage):
-    root = tarballs(tmp_path)
+    root = tarballs(tmp_path, per_class=40)
     f = root / "set-train.tar.gz"
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2] if damage == "truncated" else b"<html>404 not found</html>" * 50)
     args = ["data.name=imagefolder", f"data.dir={root}", f"checkpoint.dir={tmp_path / 'ck'}"]

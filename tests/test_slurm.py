@@ -61,13 +61,19 @@ def test_single_script_on_cpu_strategy_names_the_problem(tmp_path):
     assert "needs a CUDA GPU" in log(tmp_path, job) and "torchrun" not in log(tmp_path, job)
 
 
-def test_usr1_before_the_time_limit_checkpoints_requeues_and_resumes(tmp_path):
-    job = sbatch("slurm/ddp.sh", tmp_path, "train.epochs=40", "train.log_every=4", wait=False, run_name="pre")
-    metrics = tmp_path / "checkpoints" / "pre" / "metrics.jsonl"
+def training_job(tmp_path: Path, run_name: str) -> str:
+    """A 40-epoch ddp.sh job, returned once it has logged a training step."""
+    job = sbatch("slurm/ddp.sh", tmp_path, "train.epochs=40", "train.log_every=4", wait=False, run_name=run_name)
+    metrics = tmp_path / "checkpoints" / run_name / "metrics.jsonl"
     deadline = time.time() + 240
     while time.time() < deadline and not (metrics.exists() and '"event": "log"' in metrics.read_text()):
         time.sleep(0.5)
     assert metrics.exists(), log(tmp_path, job)
+    return job
+
+
+def test_usr1_before_the_time_limit_checkpoints_requeues_and_resumes(tmp_path):
+    job = training_job(tmp_path, "pre")
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True)
     # the job checkpoints, exits and requeues itself; it may start again once its credential has
     # expired (AuthInfo=cred_expire=10 in tests/slurm/start-cluster.sh; 120 s by default)
@@ -90,12 +96,7 @@ def test_usr1_before_the_time_limit_checkpoints_requeues_and_resumes(tmp_path):
 def test_a_plain_sigterm_to_the_job_step_ends_the_job_with_75_and_a_checkpoint(tmp_path):
     """The exit contract at the batch step: scancel --signal=TERM (no time-limit warning, so no
     requeue) -> the workers save, `trainer torchrun` gives 75, srun and the batch script pass it on."""
-    job = sbatch("slurm/ddp.sh", tmp_path, "train.epochs=40", "train.log_every=4", wait=False, run_name="term")
-    metrics = tmp_path / "checkpoints" / "term" / "metrics.jsonl"
-    deadline = time.time() + 240
-    while time.time() < deadline and not (metrics.exists() and '"event": "log"' in metrics.read_text()):
-        time.sleep(0.5)
-    assert metrics.exists(), log(tmp_path, job)
+    job = training_job(tmp_path, "term")
     subprocess.run(["scancel", "--signal=TERM", job], check=True)
     deadline = time.time() + 240
     while time.time() < deadline and job_field(job, "JobState") not in ("COMPLETED", "FAILED", "CANCELLED"):
