@@ -246,7 +246,8 @@ def test_torchx_local_cwd_runs_the_ddp_component(tmp_path):
     p = torchx("run", "--workspace", "", "-s", "local_cwd", "trainer/components.py:train_ddp", "--j", "1x2", "--config", "configs/smoke.yaml",
                "--checkpoint_dir", str(tmp_path / "ck"), "--data_dir", str(tmp_path / "data"), "--", "train.epochs=1", "train.plot=false",
                env=env(TORCHX_LOG_DIR=str(tmp_path / "logs")), timeout=600)
-    assert "SUCCEEDED" in p.stdout + p.stderr or (tmp_path / "ck" / "step-32").is_dir(), p.stdout + p.stderr
+    out = p.stdout + p.stderr
+    assert "Job finished: SUCCEEDED" in out and "strategy ddp x2" in out, out[-3000:]
     assert (tmp_path / "ck" / "step-32" / "state.pt").is_file()
 
 

@@ -108,11 +108,11 @@ def test_a_plain_sigterm_to_the_job_step_ends_the_job_with_75_and_a_checkpoint(t
 
 
 def test_the_ddp_script_asks_for_requeue_a_time_limit_and_one_task_per_node(tmp_path):
-    """What Slurm itself parsed from slurm/ddp.sh's #SBATCH lines (a held job; nothing runs)."""
+    """What Slurm itself parsed from slurm/ddp.sh's #SBATCH lines (a held job; nothing runs); the
+    USR1 warning is exercised for real by the requeue test above."""
     job = sbatch("slurm/ddp.sh", tmp_path, wait=False, extra_env={"SBATCH_HOLD": "1"})
     try:
         assert job_field(job, "Requeue") == "1" and job_field(job, "TimeLimit") == "04:00:00"
-        assert job_field(job, "NumTasks") in ("1", "1-1") or "NumTasks=1" in subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
-        assert job_field(job, "JobName") == "cifar-ddp" and "--signal=B:USR1@120" not in job_field(job, "Command")
+        assert job_field(job, "NumTasks") == "1" and job_field(job, "JobName") == "cifar-ddp"
     finally:
         subprocess.run(["scancel", job])
