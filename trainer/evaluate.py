@@ -15,7 +15,8 @@ from trainer.dist import check_devices
 def preflight(cfg: Config) -> None:
     """The checks a launcher can make once, before torchrun starts any worker: CUDA where asked
     for, a writable checkpoint folder, a resume path that exists and fits, a data folder that holds
-    data. Raises ConfigError (exit 2); changes nothing on disk."""
+    data, room for keep + 1 checkpoints, no other run holding the folder. Raises ConfigError (exit
+    2); writes nothing but the folder itself and its lock file."""
     check_devices(cfg)
     root = Path(cfg.checkpoint.dir)
     with torch.device("meta"):  # shapes only: no memory, no time
