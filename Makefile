@@ -57,8 +57,11 @@ image:
 compose-up:
 	IMAGE=$(IMAGE) NPROC_PER_NODE=$(NPROC) CONFIG=$(CONFIG) docker compose up --build
 
+# IMAGE must be pushed (REGISTRY/NAME:TAG); K8S=single-gpu takes neither NODES nor GPUS. A bad
+# input stops before kubectl apply (render.py: one line, exit 2).
 k8s-apply: venv
-	kubectl kustomize k8s/$(K8S) | $(BIN)/python k8s/render.py --image $(IMAGE) --nodes $(NODES) --gpus $(GPUS) | kubectl apply -f -
+	manifest=$$(kubectl kustomize k8s/$(K8S) | $(BIN)/python k8s/render.py --image $(IMAGE) $(if $(filter single-gpu,$(K8S)),,--nodes $(NODES) --gpus $(GPUS))) \
+		&& echo "$$manifest" | kubectl apply -f -
 
 slurm-submit:
 	CONFIG=$(CONFIG) sbatch --nodes=$(NODES) --gpus-per-node=$(GPUS) slurm/ddp.sh $(ARGS)

@@ -12,6 +12,8 @@
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node=8
 #SBATCH --cpus-per-task=16
+#SBATCH --mem=0
+# (--mem=0: all of each node's memory, as the data set, pinned buffers and page cache want)
 #SBATCH --time=04:00:00
 #SBATCH --signal=B:USR1@120
 #SBATCH --requeue

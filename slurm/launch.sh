@@ -11,7 +11,9 @@
 #   NPROC_PER_NODE=<GPUs on node> processes per node (set it for CPU-only nodes)
 #   MAX_RESTARTS=3                torchrun restarts of the whole group after a failure
 #   RDZV_PORT=29500+jobid%1000    c10d rendezvous port on the first node
-#   LOCAL_ADDR=auto               address each node advertises: auto = first of `hostname -I`;
+#   LOCAL_ADDR=auto               address each node advertises: auto = this node's source address on
+#                                 the route to the first node (the interface the others reach it
+#                                 by; `hostname -I` lists addresses in no set order: docker0, IPoIB);
 #                                 none = torchrun's default (its hostname, which may not resolve)
 #   VENV=$REPO/.venv              Python environment to activate, if present
 #   CONTAINER_IMAGE=...           run the step in this image with pyxis (--container-image)
@@ -57,14 +59,17 @@ fi
 node_cmd='addr=()
 case "$LOCAL_ADDR" in
   none) ;;
-  auto) addr=(--local-addr "$(hostname -I | cut -d" " -f1)") ;;
+  auto)
+    head_ip=$(getent hosts "$HEAD_NODE" | awk "{print \$1; exit}")
+    src=$(ip -o route get "$head_ip" 2>/dev/null | sed -n "s/.* src \([^ ]*\).*/\1/p")
+    addr=(--local-addr "${src:-$(hostname -I | cut -d" " -f1)}") ;;
   *) addr=(--local-addr "$LOCAL_ADDR") ;;
 esac
 if [ -n "$APPTAINER_IMAGE" ]; then
   exec apptainer exec --nv --bind "$APPTAINER_BIND" "$APPTAINER_IMAGE" python -m trainer torchrun "${addr[@]}" "$@"
 fi
 exec python -m trainer torchrun "${addr[@]}" "$@"'
-export LOCAL_ADDR APPTAINER_IMAGE="${APPTAINER_IMAGE:-}" APPTAINER_BIND="$ckpt_dir,$DATA_DIR"
+export LOCAL_ADDR HEAD_NODE="$head_node" APPTAINER_IMAGE="${APPTAINER_IMAGE:-}" APPTAINER_BIND="$ckpt_dir,$DATA_DIR"
 
 if [ -z "${CONTAINER_IMAGE:-}${APPTAINER_IMAGE:-}" ]; then
     # A usage error stops here with exit 2, before torchrun would restart it MAX_RESTARTS times.
@@ -81,7 +86,10 @@ on_usr1() {
 trap on_usr1 USR1
 
 set +e
-srun --ntasks-per-node=1 --kill-on-bad-exit=1 "${container[@]}" bash -c "$node_cmd" trainer-torchrun \
+# since Slurm 22.05 srun does not inherit --cpus-per-task from sbatch: pass it on, or each task gets one CPU
+cpus=()
+if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then cpus=(--cpus-per-task="$SLURM_CPUS_PER_TASK"); fi
+srun --ntasks-per-node=1 --kill-on-bad-exit=1 "${cpus[@]}" "${container[@]}" bash -c "$node_cmd" trainer-torchrun \
     --nnodes="$SLURM_NNODES" --nproc-per-node="$NPROC_PER_NODE" --max-restarts="$MAX_RESTARTS" \
     --rdzv-backend=c10d --rdzv-endpoint="$head_node:$RDZV_PORT" --rdzv-id="$SLURM_JOB_ID" \
     -m trainer train --config "$CONFIG" checkpoint.dir="$ckpt_dir" data.dir="$data_dir" "$@" &

@@ -8,6 +8,7 @@
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node=1
 #SBATCH --cpus-per-task=8
+#SBATCH --mem=0
 #SBATCH --time=04:00:00
 #SBATCH --signal=B:USR1@120
 #SBATCH --requeue

@@ -277,5 +277,36 @@ def test_torchx_slurm_dryrun_asks_for_the_right_resources():
     jobs = [line for line in script.splitlines() if line.startswith("#SBATCH --job-name")]
     assert len(jobs) == 2  # one het group per node
     for line in jobs:
-        assert "--gpus-per-task=4" in line and "--cpus-per-task=16" in line and "--ntasks-per-node=1" in line and "--partition=gpu" in line
+        assert "--gpus-per-task=4" in line and "--cpus-per-task=16" in line and "--ntasks-per-node=1" in line
+        assert "--partition" not in line  # the cluster's default partition, unless -cfg names one
     assert "--nproc_per_node 4" in script and "--nnodes 2" in script and "checkpoint.dir=/shared/ckpt/cifar" in script
+
+
+@pytest.mark.parametrize("folder, args, words", [
+    ("multi-node", ["--nodes", "0"], "--nodes=0 must be at least 1"),
+    ("multi-node", ["--gpus", "0"], "--gpus=0 must be at least 1"),
+    ("multi-node", ["--image", "cluster-trainer:0.1.0"], "is a local name that a cluster cannot pull"),
+    ("single-gpu", ["--gpus", "8"], "is one pod with one GPU"),
+])
+def test_render_refuses_what_no_cluster_can_run_in_one_line(folder, args, words):
+    stdin = yaml.safe_dump_all(manifests(folder))
+    p = subprocess.run([sys.executable, str(ROOT / "k8s" / "render.py"), *args], input=stdin, capture_output=True, text=True)
+    assert p.returncode == 2 and p.stdout == "" and p.stderr.startswith("error: ") and words in p.stderr and p.stderr.count("\n") == 1, p.stderr
+
+
+def test_make_k8s_apply_stops_before_kubectl_apply_on_a_local_image_name():
+    venv = Path(sys.executable).parent.parent
+    p = subprocess.run(["make", "k8s-apply", f"VENV={venv}", f"PYTHON={sys.executable}"], cwd=ROOT, capture_output=True, text=True, env=env())
+    assert p.returncode != 0 and "error: --image=cluster-trainer:0.1.0 is a local name" in p.stderr, p.stderr
+    assert "connection refused" not in p.stderr.lower() and "no objects passed" not in p.stderr, p.stderr
+
+
+def test_torchx_ddp_asks_one_gpu_per_process_unless_told_otherwise():
+    def limits(*extra: str) -> list:
+        p = torchx("run", "--workspace", "", "--dryrun", "-s", "kubernetes", "trainer/components.py:train_ddp", "--image", "reg/cluster-trainer:1",
+                   "--j", "2x4", *extra)
+        job = yaml.safe_load(scheduler_request(p.stdout))
+        return [t["template"]["spec"]["containers"][0]["resources"]["limits"].get("nvidia.com/gpu") for t in job["spec"]["tasks"]]
+
+    assert [int(x) for x in limits()] == [4, 4]  # --j 2x4 without --gpu: GPU pods, not silent CPU pods
+    assert all(x in (None, 0, "0") for x in limits("--gpu", "0"))

@@ -6,7 +6,7 @@ From the repository root (scheduler defaults live in .torchxconfig)::
         --j 2x8 --gpu 8 --checkpoint_mount cifar-checkpoints --data_mount cifar-data -- train.epochs=30
     torchx run -s kubernetes trainer/components.py:train_single --image ghcr.io/you/cluster-trainer:0.1.0
     torchx run -s slurm trainer/components.py:train_ddp --j 2x8 --gpu 8 --checkpoint_dir /shared/ckpt/cifar
-    torchx run -s local_cwd trainer/components.py:train_ddp --j 1x2 --config configs/smoke.yaml \\
+    torchx run -s local_cwd trainer/components.py:train_ddp --j 1x2 --gpu 0 --config configs/smoke.yaml \\
         --checkpoint_dir ./checkpoints/torchx
 
 Every component runs the same command as the other launchers: ``trainer torchrun ... -m trainer train``
@@ -36,7 +36,7 @@ def train_ddp(
     *script_args: str,
     image: str = DEFAULT_IMAGE,
     j: str = "1x2",
-    gpu: int = 0,
+    gpu: int = -1,
     cpu: int = 8,
     memMB: int = 32768,
     h: Optional[str] = None,
@@ -56,7 +56,8 @@ def train_ddp(
         script_args: trainer overrides, ``key=value`` (after ``--``)
         image: container image with the trainer installed (the repository's Dockerfile)
         j: {nnodes}x{nproc_per_node}, e.g. 2x8; nproc_per_node must not exceed the GPUs per node
-        gpu: GPUs per node (0 for CPU runs with gloo)
+        gpu: GPUs per node: -1 (the default) asks one per process of ``j`` (2x8: 8), 0 makes a CPU job
+            with gloo
         cpu: CPUs per node
         memMB: memory per node in MB
         h: a registered named resource (takes precedence over cpu, gpu and memMB)
@@ -71,6 +72,8 @@ def train_ddp(
         max_retries: scheduler retries of the whole job
         env: extra environment variables
     """
+    if gpu < 0:  # one GPU per process, as the DDP ranks need; a CPU job must say gpu=0
+        gpu = int(j.rsplit("x", 1)[-1])
     args = ["train", "--config", config, f"checkpoint.dir={checkpoint_dir}", f"data.dir={data_dir}", *script_args]
     mounts = _mounts(checkpoint_mount, checkpoint_dir, data_mount, data_dir, mount_type)
     app = dist.ddp(
