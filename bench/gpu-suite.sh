@@ -2,7 +2,7 @@
 # The GPU suite on the device machine (two H200s): installs the carried test wheels (.whl: pytest,
 # psutil and their needs), then runs `pytest -m gpu` in its own session, so that a later call can
 # wait for it and collect the log and the figures (GPU_REPORT) from /tmp/gpu-suite.
-#   bash bench/gpu-suite.sh start [PYTEST_ARGS...]     # then: bash bench/gpu-suite.sh wait SECONDS
+#   GPU_SUITE_COMMIT=abc1234 bash bench/gpu-suite.sh start [PYTEST_ARGS...]   # then: ... wait SECONDS
 set -uo pipefail
 LOG=/tmp/gpu-suite
 case ${1:-start} in
@@ -11,7 +11,8 @@ case ${1:-start} in
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
     mkdir -p "$LOG"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$LOG/machine.txt"
-    git log -1 --format='commit %H %cd' >> "$LOG/machine.txt" 2>/dev/null || true
+    # the device's copy of the tree has no history of its own: the caller names the commit
+    echo "commit ${GPU_SUITE_COMMIT:-unknown}" >> "$LOG/machine.txt"
     export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 GPU_REPORT=$LOG/report.jsonl
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
     # shellcheck disable=SC2016  # expanded by the inner shell
