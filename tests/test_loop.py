@@ -45,7 +45,7 @@ def test_resume_on_another_world_size_is_close(tmp_path):
 
 def test_run_folder_holds_config_metrics_curves_and_checkpoints(ckpt):
     train(ckpt, "train.epochs=2", "train.plot=true", "checkpoint.keep=1")
-    assert sorted(p.name for p in ckpt.iterdir()) == [".lock", "config.yaml", "curves.png", "metrics.jsonl", "step-32"]
+    assert sorted(p.name for p in ckpt.iterdir()) == [".lock", "config.yaml", "curves.png", "metrics.jsonl", "step-32", "tensorboard"]
     assert (ckpt / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = [json.loads(line) for line in (ckpt / "metrics.jsonl").read_text().splitlines()]
     epochs = [r for r in rows if r["event"] == "epoch"]
