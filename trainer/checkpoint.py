@@ -138,6 +138,7 @@ def newest_good(root: Path, log=print) -> Path | None:
         except CheckpointError as e:
             moved = quarantine(folder)
             log(f"warning: {e}; skipped it (moved to {moved.name}) and trying the previous one")
+            prune_set_aside(root, log=log)
     return None
 
 
@@ -245,7 +246,8 @@ def write(state: dict, root: Path, step: int, keep: int) -> Path:
         _fsync_dir(tmp)
         crash_point("before-rename", step)
         final = root / f"step-{step}"
-        if final.exists():  # a rewound run saving a step again: set the old one aside, never lose it
+        replaced = final.exists()
+        if replaced:  # a rewound run saving a step again: set the old one aside, never lose it
             final.rename(root / f"step-{step}.replaced-{time.time_ns()}")
         tmp.rename(final)
         _fsync_dir(root)
@@ -257,9 +259,9 @@ def write(state: dict, root: Path, step: int, keep: int) -> Path:
         raise
     for _, old in complete(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
-    prune_set_aside(root, log=lambda m: print(m, file=sys.stderr, flush=True))
+    if replaced:
+        prune_set_aside(root, log=lambda m: print(m, file=sys.stderr, flush=True))
     return final
-
 
 
 def _os_error(e: BaseException | None) -> OSError | None:
@@ -597,8 +599,8 @@ class Checkpointer:
     the model into the plain module *before* it is wrapped and compiled, then ``restore`` of the
     optimizer, schedule, Lookahead and counters once they exist."""
 
-    def __init__(self, cfg: Config, strategy: str, is_main: bool, async_save: bool, log=print):
-        self.cfg, self.strategy, self.is_main, self.log = cfg, strategy, is_main, log
+    def __init__(self, cfg: Config, is_main: bool, async_save: bool, log=print):
+        self.cfg, self.is_main, self.log = cfg, is_main, log
         self.root = Path(cfg.checkpoint.dir)
         self.parts: dict[str, Stateful] = {}
         self.writer = AsyncWriter() if async_save and is_main else None
@@ -615,7 +617,6 @@ class Checkpointer:
         resume = self.cfg.checkpoint.resume
         path = explicit_resume(self.root, resume)
         clean_temporaries(self.root)
-        prune_set_aside(self.root, log=self.log)
         return newest_good(self.root, log=self.log) if resume == "auto" else path
 
     # -- restoring ----------------------------------------------------------------------------

@@ -164,21 +164,26 @@ def _members(source: Path):
                 if f.suffix.lower() in IMAGE_SUFFIXES:
                     yield cls_dir.name, str(f), f.read_bytes()
         return
+    with _archive(source) as tar:
+        for m in tar:
+            parts = Path(m.name).parts
+            if m.isfile() and len(parts) >= 2 and Path(m.name).suffix.lower() in IMAGE_SUFFIXES:
+                fh = tar.extractfile(m)
+                if fh is not None:
+                    yield parts[-2], f"{source}:{m.name}", fh.read()
+
+
+@contextlib.contextmanager
+def _archive(source: Path):
+    """An open tarball; a file that is not one, is cut short or has bad gzip data (found while
+    reading it) becomes one ConfigError that names the fix."""
     try:
         with tarfile.open(source, "r:*") as tar:
-            for m in tar:
-                parts = Path(m.name).parts
-                if m.isfile() and len(parts) >= 2 and Path(m.name).suffix.lower() in IMAGE_SUFFIXES:
-                    fh = tar.extractfile(m)
-                    if fh is not None:
-                        yield parts[-2], f"{source}:{m.name}", fh.read()
-    except (tarfile.TarError, EOFError, zlib.error, OSError) as e:  # not a tar, cut short, bad gzip
-        raise ConfigError(_bad_archive(source, e)) from None
-
-
-def _bad_archive(source: Path, e: BaseException) -> str:
-    why = " ".join(str(e).split())[:100] or e.__class__.__name__
-    return f"{source} is not a complete .tar.gz archive ({why}); download or copy it again, or unpack it into {source.parent}/<split>/<class>/"
+            yield tar
+    except (tarfile.TarError, EOFError, zlib.error, OSError) as e:
+        why = " ".join(str(e).split())[:100] or e.__class__.__name__
+        raise ConfigError(f"{source} is not a complete .tar.gz archive ({why}); download or copy it again, "
+                          f"or unpack it into {source.parent}/<split>/<class>/") from None
 
 
 def check_archive(source: Path) -> None:
@@ -186,12 +191,9 @@ def check_archive(source: Path) -> None:
     truncated or foreign file raises ConfigError before any worker starts."""
     if source.is_dir():
         return
-    try:
-        with tarfile.open(source, "r:*") as tar:
-            for _ in tar:
-                pass
-    except (tarfile.TarError, EOFError, zlib.error, OSError) as e:
-        raise ConfigError(_bad_archive(source, e)) from None
+    with _archive(source) as tar:
+        for _ in tar:
+            pass
 
 
 def _decode_folder(source: Path) -> tuple[torch.Tensor, list[str], list[str]]:

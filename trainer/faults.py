@@ -1,8 +1,9 @@
-"""Stopping on signals, exit codes, and the crash points the fault-injection tests use.
+"""Stopping on signals, and the crash points the fault-injection tests use (the exit codes live in
+trainer/launch.py).
 
 Preemption reaches a worker as SIGTERM (Kubernetes eviction, ``docker stop``, ``scancel``, and
 torchrun forwarding any of SIGTERM/SIGINT/SIGHUP/SIGQUIT) or as SIGUSR1 (Slurm's warning before the
-time limit, forwarded by slurm/ddp.sh). The handler only raises a flag. At every step boundary the
+time limit, forwarded by slurm/ddp.sh). The handler raises a flag (rank 0 also says so at once). At every step boundary the
 ranks agree on the flags with one tiny all-reduce, so every rank stops after the *same* step and
 rank 0 saves a checkpoint of exactly that step. On CUDA the all-reduce result is read ``lag``
 steps later, when it has long finished, so the agreement never makes the host wait for the GPU.
@@ -19,7 +20,6 @@ import torch
 import torch.distributed as dist
 
 from trainer.dist import Runtime
-from trainer.launch import EXIT_PREEMPTED, EXIT_USAGE  # noqa: F401 - the contract lives in trainer/launch.py
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
 

@@ -14,7 +14,7 @@ from trainer import parallel
 from trainer.config import Config, to_yaml
 from trainer.data import Split
 from trainer.dist import Runtime, all_reduce_sum, barrier
-from trainer.faults import EXIT_PREEMPTED
+from trainer.launch import EXIT_PREEMPTED
 from trainer.loader import Augment, eval_batches
 from trainer.metrics import StepProfiler, StepTimer, plot_curves
 from trainer.setup import Run

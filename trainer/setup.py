@@ -94,7 +94,8 @@ def build(cfg: Config, rt: Runtime, started_at: float | None = None) -> Run:
 
     torch.manual_seed(cfg.train.seed)  # same initial weights on every rank
     model = models.build(cfg.model.name)
-    ckpt = Checkpointer(cfg, rt.strategy, rt.is_main, fast.async_save, log=say.line)
+    ckpt = Checkpointer(cfg, rt.is_main, fast.async_save, log=say.line)
+    model_part = ModelPart(model, rt.strategy, cfg.model.name)
 
     resumed_from, error = None, None
     if rt.is_main:
@@ -124,7 +125,7 @@ def build(cfg: Config, rt: Runtime, started_at: float | None = None) -> Run:
     saved = None
     if resumed_from is not None:
         saved = ckpt.read(resumed_from)
-        ckpt.restore(saved, {"model": ModelPart(model, rt.strategy, cfg.model.name)}, resumed_from)  # before wrapping
+        ckpt.restore(saved, {"model": model_part}, resumed_from)  # before wrapping
     if fast.channels_last and rt.strategy != "fsdp":
         model.to(memory_format=torch.channels_last)
 
@@ -135,7 +136,7 @@ def build(cfg: Config, rt: Runtime, started_at: float | None = None) -> Run:
     total = min(total, cfg.train.max_steps) if cfg.train.max_steps else total
     schedule = build_schedule(optimizer, cfg, total, steps_per_epoch)
     lookahead = Lookahead(model, cfg.optim.ema_every) if cfg.optim.ema_every else None
-    ckpt.register(model=ModelPart(model, rt.strategy, cfg.model.name), optimizer=OptimizerPart(model, optimizer, rt.strategy),
+    ckpt.register(model=model_part, optimizer=OptimizerPart(model, optimizer, rt.strategy),
                   scheduler=schedule, lookahead=lookahead, train=state)
     if saved is not None:
         ckpt.restore(saved, {k: v for k, v in ckpt.parts.items() if k != "model"}, resumed_from)
