@@ -24,7 +24,7 @@ import time
 import click
 
 from trainer.config import ConfigError, explain, load_config, to_yaml
-from trainer.launch import EXIT_USAGE, record_exit
+from trainer.launch import EXIT_USAGE, record_exit, supervised
 
 _LOCAL_RANK = re.compile(r"^--local[-_]rank(=(\d+))?$")
 
@@ -55,9 +55,10 @@ def usage_errors(fn):
         try:
             return fn(*args, **kwargs)
         except ConfigError as e:
-            if os.environ.get("RANK", "0") == "0":
+            if supervised():  # under `trainer torchrun`: the supervisor prints it once
+                record_exit(EXIT_USAGE, f"error: {e}")
+            elif os.environ.get("RANK", "0") == "0":
                 click.echo(f"error: {e}", err=True)
-            record_exit(EXIT_USAGE)
             sys.exit(EXIT_USAGE)
 
     return wrapper

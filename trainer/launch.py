@@ -59,30 +59,49 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
         pass
 
 
-def record_exit(code: int) -> None:
-    """A worker's exit code, for the supervisor (no-op outside ``supervise``)."""
+def supervised() -> bool:
+    """True in a worker that ``supervise`` started (it reports errors for the workers)."""
+    return bool(os.environ.get(EXIT_DIR_ENV))
+
+
+def record_exit(code: int, message: str = "") -> None:
+    """A worker's exit code and its error line, for the supervisor (no-op outside ``supervise``)."""
     folder = os.environ.get(EXIT_DIR_ENV)
     if not folder:
         return
     name = f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}-{os.environ.get('RANK', '0')}"
     try:
         tmp = Path(folder) / f".{name}.tmp"
-        tmp.write_text(str(code))
+        tmp.write_text(f"{code}\n{message}")
         tmp.replace(Path(folder) / name)
     except OSError:
         pass
 
 
-def recorded(folder: Path) -> list[int]:
-    """Exit codes the workers of the newest attempt recorded."""
-    found: dict[int, list[int]] = {}
+def _records(folder: Path) -> list[tuple[int, str]]:
+    """(exit code, error line) of each worker of the newest attempt."""
+    found: dict[int, list[tuple[int, str]]] = {}
     for p in folder.glob("*-*"):
         attempt, _, _ = p.name.partition("-")
         try:
-            found.setdefault(int(attempt), []).append(int(p.read_text()))
+            code, _, message = p.read_text().partition("\n")
+            found.setdefault(int(attempt), []).append((int(code), message))
         except (OSError, ValueError):
             continue
     return found[max(found)] if found else []
+
+
+def recorded(folder: Path) -> list[int]:
+    """Exit codes the workers of the newest attempt recorded."""
+    return [code for code, _ in _records(folder)]
+
+
+def _say_usage_error(folder: Path) -> None:
+    """The workers' bad-input line, once: a worker that fails first may take the others down before
+    they print (torchrun stops the group), so the supervisor, not rank 0, says it."""
+    message = next((m for c, m in _records(folder) if c == EXIT_USAGE and m), "")
+    if message:
+        print(message, file=sys.stderr, flush=True)
 
 
 def verdict(torchrun_code: int, codes: list[int]) -> int:
@@ -119,6 +138,7 @@ def supervise(torchrun_args: list[str], poll_s: float = 0.5, grace_s: float = 60
 
     proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=die_with_parent)
     previous = {s: signal.signal(s, on_signal) for s in FORWARDED}
+    stopped_for_usage = False
     try:
         while True:
             try:
@@ -127,6 +147,8 @@ def supervise(torchrun_args: list[str], poll_s: float = 0.5, grace_s: float = 60
             except subprocess.TimeoutExpired:
                 pass
             if EXIT_USAGE in recorded(exit_dir):  # bad input: torchrun would retry it as a crash
+                _say_usage_error(exit_dir)
+                stopped_for_usage = True
                 print(f"a worker exited {EXIT_USAGE} (bad input); stopping torchrun without restarts", file=sys.stderr, flush=True)
                 proc.terminate()
                 try:
@@ -136,6 +158,8 @@ def supervise(torchrun_args: list[str], poll_s: float = 0.5, grace_s: float = 60
                     code = proc.wait()
                 break
         final = verdict(code, recorded(exit_dir))
+        if final == EXIT_USAGE and not stopped_for_usage:
+            _say_usage_error(exit_dir)
         if got and final == EXIT_PREEMPTED:
             print(f"stopped by {signal.Signals(got[0]).name}; the workers saved a checkpoint: exit {EXIT_PREEMPTED} (run the same command to resume)",
                   file=sys.stderr, flush=True)
