@@ -131,6 +131,11 @@ def setup(cfg: Config) -> Runtime:
         kwargs: dict[str, Any] = {}
         if rt.backend == "nccl":
             kwargs["device_id"] = rt.device  # eager init: NCCL communicators bind to this GPU now
+            # On a collective timeout torch's watchdog first waits (60 s in torch 2.11) for a
+            # flight-recorder dump that nobody asked for; a hung rank then costs that minute on
+            # top of dist.timeout_s before torchrun can restart the group. Set them to debug.
+            os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
+            os.environ.setdefault("TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC", "1000")
         dist.init_process_group(rt.backend, timeout=timedelta(seconds=cfg.dist.timeout_s), **kwargs)
     return rt
 
