@@ -1,24 +1,29 @@
 # The trainer in a CUDA image. One process per visible GPU through torchrun:
 #   docker build -t cluster-trainer:0.1.0 .
-#   docker run --gpus all --shm-size 8g -v "$PWD/data:/data:ro" -v "$PWD/checkpoints:/checkpoints" \
-#       cluster-trainer:0.1.0 train.epochs=30          # arguments are trainer overrides
-# The base pins PyTorch 2.9.0 with CUDA 12.8 and cuDNN 9 (torchvision 0.24.0 matches it).
-FROM pytorch/pytorch:2.9.0-cuda12.8-cudnn9-runtime
+#   mkdir -p data checkpoints      # made by you, so they are yours (the engine would make them root's)
+#   docker run --gpus all --shm-size 8g -u "$(id -u):$(id -g)" -v "$PWD/data:/data" \
+#       -v "$PWD/checkpoints:/checkpoints" cluster-trainer:0.1.0 train.epochs=30   # arguments are overrides
+# One torch everywhere: pip installs the pins CI tests (constraints.txt: torch 2.14.1, the CUDA 13
+# build on PyPI, with its CUDA libraries as wheels; the host needs only the NVIDIA driver).
+FROM python:3.11-slim-bookworm
 
+# HOME is writable by any uid (a `user:` override or OpenShift's random uid has no passwd entry and
+# no home); trainer.launch also points the compile caches somewhere writable when HOME is not.
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    HOME=/home/trainer \
     NPROC_PER_NODE=auto \
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 \
     MAX_RESTARTS=3
 
 WORKDIR /app
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md constraints.txt ./
 COPY trainer ./trainer
 COPY configs ./configs
-# The torch pin keeps pip from replacing the image's CUDA build.
-RUN pip install "torch==2.9.0" "torchvision==0.24.0" . \
-    && useradd --create-home --uid 1000 --user-group trainer \
+RUN python -m pip install --no-compile -c constraints.txt . \
+    && useradd --create-home --home-dir /home/trainer --uid 1000 --user-group trainer \
+    && chmod 1777 /home/trainer \
     && mkdir -p /data /checkpoints \
     && chown trainer:trainer /data /checkpoints
 

@@ -271,3 +271,16 @@ def test_launch_refuses_a_volume_without_room_for_keep_plus_one_checkpoints(tmp_
     errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
     assert p.returncode == EXIT_USAGE and len(errors) == 1, p.stderr
     assert f"checkpoint.keep={keep} needs (K + 1 checkpoints at a save, 4.83 GB each)" in errors[0] and "torchrun" not in p.stderr
+
+
+def test_a_missing_home_is_replaced_by_a_private_writable_one(tmp_path, monkeypatch):
+    from trainer.launch import writable_home
+
+    monkeypatch.setenv("HOME", str(tmp_path / "not-there"))
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    writable_home()
+    home = Path(os.environ["HOME"])
+    assert home == tmp_path / f"trainer-home-{os.getuid()}" and home.is_dir()
+    assert home.stat().st_mode & 0o777 == 0o700
+    writable_home()  # a writable HOME is kept
+    assert os.environ["HOME"] == str(home)

@@ -24,7 +24,7 @@ import time
 import click
 
 from trainer.config import ConfigError, explain, load_config, to_yaml
-from trainer.launch import EXIT_USAGE, record_exit, supervised
+from trainer.launch import EXIT_USAGE, record_exit, supervised, writable_home
 
 _LOCAL_RANK = re.compile(r"^--local[-_]rank(=(\d+))?$")
 
@@ -204,6 +204,7 @@ def bench(ctx):
 
 
 def entry() -> None:
+    writable_home()
     main(args=strip_local_rank(sys.argv[1:]), prog_name="trainer")
 
 

@@ -48,6 +48,20 @@ FORWARDED = {signal.SIGTERM: signal.SIGTERM, signal.SIGINT: signal.SIGINT, signa
 PR_SET_PDEATHSIG = 1
 
 
+def writable_home() -> None:
+    """Point HOME at a private folder under the temp dir when it is missing or not writable.
+
+    A uid with no passwd entry (a compose ``user:`` override, OpenShift's random uid, Pod Security
+    with another ``runAsUser``) often gets HOME=/ : matplotlib then warns on every rank and makes a
+    new cache each time, and compile caches have nowhere to live. Children inherit the fix."""
+    home = os.environ.get("HOME", "")
+    if home and os.path.isdir(home) and os.access(home, os.W_OK | os.X_OK):
+        return
+    fallback = Path(tempfile.gettempdir()) / f"trainer-home-{os.getuid()}"
+    fallback.mkdir(mode=0o700, exist_ok=True)
+    os.environ["HOME"] = str(fallback)
+
+
 def die_with_parent(sig: int = signal.SIGKILL) -> None:
     """Ask the kernel to send ``sig`` to this process when its parent dies (Linux; a no-op
     elsewhere). Called in torchrun's workers and, through ``preexec_fn``, in torchrun."""

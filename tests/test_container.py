@@ -1,0 +1,162 @@
+"""The image built from the real Dockerfile and run by a real OCI engine (podman here and in CI):
+`make container-test`, which first builds the Dockerfile's base locally (tests/container/base.sh;
+registries are unreachable) and the docker-compose v1 client. CPU only: the image is the CUDA one,
+and torch runs it on the CPU when no GPU is passed in.
+
+What a user does, in order: make the folders as themselves, train, train again (resume), stop the
+container (exit 75 with a checkpoint of that step), run as a uid the image does not know, and
+`make compose-up` twice (the second resumes)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import ROOT, SHARED_DATA
+
+from trainer.launch import EXIT_PREEMPTED
+
+pytestmark = pytest.mark.container
+
+ENGINE = os.environ.get("ENGINE", "podman")
+os.environ.setdefault("CONTAINERS_CONF", str(ROOT / "tests" / "container" / "containers.conf"))
+IMAGE = "localhost/cluster-trainer:container-test"
+CA = "/etc/ssl/certs/ca-certificates.crt"
+COMPOSE_V1 = ROOT / ".venv-compose-v1" / "bin" / "docker-compose"
+USER = 1000
+# 2,048 real training images on 2 CPU processes: 32 steps an epoch, about a second each
+SMALL = {"model": {"name": "tinynet"}, "data": {"train_subset": 2048, "test_subset": 512},
+         "train": {"batch_size": 64, "log_every": 8, "epochs": 1}}
+
+
+def sh(cmd: list[str], timeout: float = 600, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def as_user(cmd: list[str]) -> list[str]:
+    return ["setpriv", f"--reuid={USER}", f"--regid={USER}", "--clear-groups", *cmd]
+
+
+def done(ck: Path) -> list[int]:
+    return sorted(int(p.name[5:]) for p in ck.glob("step-*") if (p / "meta.json").exists())
+
+
+@pytest.fixture(scope="module")
+def image() -> str:
+    # the real Dockerfile, unchanged; pip needs the host's CA bundle mounted, never baked in
+    p = sh([ENGINE, "build", "--pull=never", "-v", f"{CA}:{CA}:ro", "-t", IMAGE, "."], timeout=1200, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return IMAGE
+
+
+@pytest.fixture
+def host():
+    # the working folder of a user with uid 1000 (pytest's tmp_path is root's, mode 0700)
+    d = Path(tempfile.mkdtemp(prefix="container-test-", dir="/tmp"))
+    d.chmod(0o755)
+    os.chown(d, USER, USER)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def docker_run(image: str, ck: Path, *args: str, user: str = f"{USER}:{USER}", extra: tuple[str, ...] = ()) -> list[str]:
+    # the README's `docker run`, on the CPU, with the JPEG tarballs of ../shared/data as /data
+    return [ENGINE, "run", "--shm-size", "1g", "-u", user, *extra, "-v", f"{SHARED_DATA}:/data:ro",
+            "-v", f"{ck}:/checkpoints", image, "--config", "configs/smoke.yaml", "data.name=imagefolder",
+            "model.name=tinynet", "data.train_subset=2048", "data.test_subset=512", *args]
+
+
+def test_folders_made_as_the_caller_train_resume_and_a_stop_gives_75(image, host):
+    ck = host / "checkpoints"
+    assert sh(as_user(["mkdir", "-p", str(ck)])).returncode == 0  # the README's `mkdir -p`, as that user
+
+    first = sh(docker_run(image, ck, "train.epochs=1"), timeout=300)
+    out = first.stdout + first.stderr
+    assert first.returncode == 0 and "starting fresh" in out, out[-3000:]
+    assert done(ck) == [32] and (ck / "step-32").stat().st_uid == USER  # written as the caller
+
+    second = sh(docker_run(image, ck, "train.epochs=2"), timeout=300)
+    out = second.stdout + second.stderr
+    assert second.returncode == 0 and "resuming from /checkpoints/step-32" in out, out[-3000:]
+    assert 64 in done(ck)
+
+    name = f"container-test-stop-{os.getpid()}"
+    cmd = docker_run(image, ck, "train.epochs=60", "train.log_every=4")
+    started = sh([*cmd[:2], "-d", "--name", name, *cmd[2:]])
+    assert started.returncode == 0, started.stderr
+    try:
+        deadline, logs = time.monotonic() + 240, ""
+        while time.monotonic() < deadline and "epoch 5/60" not in logs:
+            time.sleep(1)
+            p = sh([ENGINE, "logs", name])
+            logs = p.stdout + p.stderr
+        assert "epoch 5/60" in logs, logs[-3000:]
+        stop = sh([ENGINE, "stop", "-t", "60", name], timeout=120)  # SIGTERM to PID 1, `trainer launch`
+        assert stop.returncode == 0, stop.stderr
+        code = sh([ENGINE, "inspect", "--format", "{{.State.ExitCode}}", name]).stdout.strip()
+        p = sh([ENGINE, "logs", name])
+        logs = p.stdout + p.stderr
+        assert code == str(EXIT_PREEMPTED), logs[-3000:]
+        step = int(re.search(r"stopped by SIGTERM at step (\d+); checkpoint saved", logs).group(1))
+        assert step > 64 and step in done(ck), (step, done(ck))
+    finally:
+        sh([ENGINE, "rm", "-f", name])
+
+
+def test_a_uid_with_no_passwd_entry_and_no_writable_home_trains(image, host):
+    # OpenShift and `user:` overrides: a uid the image does not know, group 0, HOME=/ (not writable)
+    ck = host / "checkpoints"
+    ck.mkdir()
+    os.chown(ck, 54321, 0)
+    p = sh(docker_run(image, ck, "train.epochs=1", "train.plot=true", user="54321:0", extra=("--passwd=false", "-e", "HOME=/")),
+           timeout=300)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-3000:]
+    assert (ck / "curves.png").stat().st_size > 0 and done(ck) == [32]
+    # matplotlib (and the compile caches) found a writable HOME: no per-rank temporary cache warnings
+    assert "Matplotlib created a temporary" not in out and "Permission denied" not in out, out[-3000:]
+
+
+def test_make_compose_up_trains_on_the_cpu_and_a_second_up_resumes(image, host):
+    ck, configs = host / "checkpoints", host / "configs"
+    assert sh(as_user(["mkdir", "-p", str(ck)])).returncode == 0
+    configs.mkdir()
+    for epochs in (1, 2):  # the configs folder is mounted: a new file needs no rebuild
+        cfg = {**SMALL, "train": {**SMALL["train"], "epochs": epochs}}
+        (configs / f"ct-{epochs}.yaml").write_text(yaml.safe_dump(cfg))
+    compose = f"{ROOT / '.venv' / 'bin' / 'podman-compose'} -f docker-compose.yml"  # no GPUs: the base file alone
+    env = {**os.environ, "CONFIGS": str(configs), "USER_ID": str(USER), "GROUP_ID": str(USER)}
+
+    def up(config: str) -> str:
+        p = sh(["make", "-s", "compose-up", f"COMPOSE={compose}", f"IMAGE={image}", f"CONFIG=configs/{config}",
+                f"DATA={SHARED_DATA}", f"CHECKPOINTS={ck}", "NPROC=2"], timeout=600, cwd=ROOT, env=env)
+        out = p.stdout + p.stderr
+        assert p.returncode == 0, out[-4000:]
+        return out
+
+    try:
+        out = up("ct-1.yaml")
+        assert "starting fresh" in out and done(ck) == [32], out[-3000:]
+        out = up("ct-2.yaml")
+        assert "resuming from /checkpoints/step-32" in out and 64 in done(ck), out[-3000:]
+        assert (ck / "step-64").stat().st_uid == USER
+    finally:
+        sh([*compose.split(), "down"], cwd=ROOT, env=env)
+
+
+@pytest.mark.parametrize("files", [["docker-compose.yml"], ["docker-compose.yml", "docker-compose.override.yml"]])
+def test_docker_compose_v1_accepts_the_files(files):
+    # the v1 client (1.29.2) that Debian 12 and Ubuntu 22.04 still ship; `config` validates offline
+    args = [a for f in files for a in ("-f", f)]
+    p = sh([str(COMPOSE_V1), *args, "config"], cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    doc = yaml.safe_load(p.stdout)
+    gpus = doc["services"]["train"].get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices")
+    assert bool(gpus) == (len(files) == 2)
