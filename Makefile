@@ -1,7 +1,7 @@
 # Thin aliases around the one entry point (`python -m trainer`). Variables:
 #   CONFIG=configs/default.yaml  DATA=<folder of train/ test/ or their .tar.gz>  ARGS="key=value ..."
 #   NPROC=auto (one per GPU, else 2)  IMAGE=cluster-trainer:0.1.0  GPUS=8  NODES=2  K8S=multi-node
-#   ENGINE=docker (or podman)  COMPOSE="docker compose" (or docker-compose, podman-compose)  CHECKPOINTS=checkpoints
+#   STORAGE_CLASS (k8s-storage)  ENGINE=docker (or podman)  COMPOSE="docker compose" (or docker-compose, podman-compose)  CHECKPOINTS=checkpoints
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -18,7 +18,7 @@ COMPOSE ?= docker compose
 CHECKPOINTS ?= checkpoints
 DATA_ARGS := $(if $(DATA),data.name=imagefolder data.dir=$(DATA))
 
-.PHONY: venv run-local test test-slow test-all test-gpu container-test lint bench image compose-up k8s-apply slurm-submit torchx-k8s slurm-up clean
+.PHONY: venv run-local test test-slow test-all test-gpu container-test lint bench image compose-up k8s-storage k8s-apply slurm-submit torchx-k8s slurm-up clean
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -78,6 +78,11 @@ container-test: venv .venv-compose-v1/bin/docker-compose
 	$(BIN)/python -m pip install -q podman-compose==1.6.0
 	CONTAINERS_CONF=$(CURDIR)/tests/container/containers.conf bash tests/container/base.sh
 	$(BIN)/python -m pytest -q -m container tests/test_container.py
+
+## The PVCs, once, apart from the jobs (deleting a job keeps them); STORAGE_CLASS: a ReadWriteMany class
+k8s-storage: venv
+	manifest=$$(kubectl kustomize k8s/storage | $(BIN)/python k8s/render.py $(if $(STORAGE_CLASS),--storage-class $(STORAGE_CLASS))) \
+		&& echo "$$manifest" | kubectl apply -f -
 
 # IMAGE must be pushed (REGISTRY/NAME:TAG); K8S=single-gpu takes neither NODES nor GPUS. A bad
 # input stops before kubectl apply (render.py: one line, exit 2).

@@ -1,10 +1,13 @@
-"""Set image, nodes and GPUs in a built kustomization (used by `make k8s-apply`):
+"""Set image, nodes and GPUs in a built kustomization (`make k8s-apply`), or the storage class of
+the PVCs (`make k8s-storage`):
     kubectl kustomize k8s/multi-node | python k8s/render.py --image IMG --nodes 4 --gpus 8 | kubectl apply -f -
+    kubectl kustomize k8s/storage | python k8s/render.py --storage-class efs-sc | kubectl apply -f -
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 import yaml
@@ -14,21 +17,32 @@ class RenderError(ValueError):
     """Inputs that would render a job no cluster can run (every schema still accepts it)."""
 
 
-def check(docs: list[dict], image: str | None, nodes: int | None, gpus: int | None) -> None:
+RWX_HINT = "a ReadWriteMany class (kubectl get storageclass; e.g. efs-sc on EKS, standard-rwx on GKE, azurefile-csi on AKS, an NFS class)"
+NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+
+
+def check(docs: list[dict], image: str | None, nodes: int | None, gpus: int | None, storage_class: str | None = None) -> None:
     if nodes is not None and nodes < 1:
         raise RenderError(f"--nodes={nodes} must be at least 1 (NODES=...)")
     if gpus is not None and gpus < 1:
         raise RenderError(f"--gpus={gpus} must be at least 1 (GPUS=...): these manifests are GPU jobs")
     if image is not None and "/" not in image.split(":")[0]:
         raise RenderError(f"--image={image} is a local name that a cluster cannot pull; push the image to a registry and pass IMAGE=REGISTRY/NAME:TAG")
+    pvcs = [d for d in docs if d.get("kind") == "PersistentVolumeClaim"]
+    if pvcs and storage_class is None:
+        raise RenderError(f"the PVCs need a storage class: pass STORAGE_CLASS=... (--storage-class), {RWX_HINT}; the default classes of EKS, GKE and AKS are ReadWriteOnce and leave them Pending")
+    if storage_class is not None and not NAME.match(storage_class):
+        raise RenderError(f"--storage-class={storage_class!r} is not a storage class name; use {RWX_HINT}")
     for doc in docs:
         if doc.get("kind") == "PyTorchJob" and "Worker" not in doc["spec"]["pytorchReplicaSpecs"] and ((nodes or 1) > 1 or (gpus or 1) > 1):
             raise RenderError(f"{doc['metadata']['name']} is one pod with one GPU, not NODES={nodes} GPUS={gpus}; use K8S=multi-node for more")
 
 
-def render(docs: list[dict], image: str | None, nodes: int | None, gpus: int | None) -> list[dict]:
-    check(docs, image, nodes, gpus)
+def render(docs: list[dict], image: str | None, nodes: int | None, gpus: int | None, storage_class: str | None = None) -> list[dict]:
+    check(docs, image, nodes, gpus, storage_class)
     for doc in docs:
+        if doc.get("kind") == "PersistentVolumeClaim":
+            doc["spec"]["storageClassName"] = storage_class
         if doc.get("kind") != "PyTorchJob":
             continue
         spec = doc["spec"]
@@ -53,10 +67,11 @@ def main() -> None:
     p.add_argument("--image")
     p.add_argument("--nodes", type=int)
     p.add_argument("--gpus", type=int)
+    p.add_argument("--storage-class")
     a = p.parse_args()
     docs = [d for d in yaml.safe_load_all(sys.stdin) if d]
     try:
-        out = render(docs, a.image, a.nodes, a.gpus)
+        out = render(docs, a.image, a.nodes, a.gpus, a.storage_class)
     except RenderError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

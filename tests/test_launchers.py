@@ -4,6 +4,8 @@ and TorchX (a real local_cwd run and the kubernetes and slurm dry runs)."""
 
 from __future__ import annotations
 
+import copy
+import os
 import re
 import shutil
 import subprocess
@@ -127,9 +129,57 @@ def test_kustomize_builds(folder):
     out = subprocess.run([kubectl, "kustomize", f"k8s/{folder}"], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     kinds = [d["kind"] for d in yaml.safe_load_all(out.stdout) if d]
-    assert kinds.count("PersistentVolumeClaim") == 2 and kinds.count("PyTorchJob") == (0 if folder == "storage" else 1)
+    # the PVCs are theirs alone: `kubectl delete -k k8s/<job>` deletes only what this builds
+    assert kinds == (["PersistentVolumeClaim"] * 2 if folder == "storage" else ["PyTorchJob"]), kinds
     if folder != "storage":
         assert "ghcr.io/cluster-trainer/cluster-trainer:0.1.0" in out.stdout
+
+
+RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim", "projected", "secret"}
+
+
+def restricted(pod: dict) -> list[str]:
+    """What Pod Security admission's "restricted" level (Kubernetes 1.30) finds wrong with a pod
+    spec; an empty list admits it."""
+    bad, psc = [], pod.get("securityContext", {})
+    bad += [f"volume {v['name']}" for v in pod.get("volumes", []) if not set(v) - {"name"} <= RESTRICTED_VOLUMES]
+    bad += [k for k in ("hostNetwork", "hostPID", "hostIPC") if pod.get(k)]
+    for c in pod.get("initContainers", []) + pod["containers"]:
+        sc, name = c.get("securityContext", {}), c["name"]
+        if sc.get("privileged"):
+            bad.append(f"{name}: privileged")
+        if sc.get("allowPrivilegeEscalation") is not False:
+            bad.append(f"{name}: allowPrivilegeEscalation != false")
+        if "ALL" not in sc.get("capabilities", {}).get("drop", []) or set(sc.get("capabilities", {}).get("add", [])) - {"NET_BIND_SERVICE"}:
+            bad.append(f"{name}: capabilities")
+        if not sc.get("runAsNonRoot", psc.get("runAsNonRoot")) or sc.get("runAsUser", psc.get("runAsUser")) == 0:
+            bad.append(f"{name}: may run as root")
+        if sc.get("seccompProfile", psc.get("seccompProfile", {})).get("type") not in ("RuntimeDefault", "Localhost"):
+            bad.append(f"{name}: seccompProfile")
+        bad += [f"{name}: hostPort" for p in c.get("ports", []) if p.get("hostPort")]
+    return bad
+
+
+def test_every_pod_passes_pod_security_restricted():
+    pods = [r["template"]["spec"] for f in ("multi-node", "single-gpu") for d in manifests(f) if d["kind"] == "PyTorchJob"
+            for r in d["spec"]["pytorchReplicaSpecs"].values()]
+    assert len(pods) == 3
+    for pod in pods:
+        assert restricted(pod) == []
+    broken = copy.deepcopy(pods[0])
+    del broken["containers"][0]["securityContext"]
+    del broken["securityContext"]["seccompProfile"]
+    assert restricted(broken) == ["data: seccompProfile", "pytorch: allowPrivilegeEscalation != false", "pytorch: capabilities",
+                                  "pytorch: seccompProfile"]
+
+
+def test_render_sets_the_storage_class_of_every_pvc():
+    sys.path.insert(0, str(ROOT / "k8s"))
+    from render import render
+
+    docs = render(manifests("storage"), None, None, None, storage_class="efs-sc")
+    assert [d["spec"]["storageClassName"] for d in docs] == ["efs-sc", "efs-sc"]
+    assert all(d["spec"]["accessModes"] == ["ReadWriteMany"] for d in docs)
 
 
 def test_pytorchjob_has_what_a_cluster_needs():
@@ -255,10 +305,12 @@ def scheduler_request(out: str) -> str:
 
 
 @pytest.mark.slow
-def test_torchx_local_cwd_runs_the_ddp_component(tmp_path):
+def test_torchx_local_cwd_runs_the_ddp_component_from_a_venv_not_activated(tmp_path):
+    # `.venv/bin/torchx run ...` with nothing of the venv on PATH (no torchrun, no trainer, no python)
+    path = os.pathsep.join(d for d in os.environ["PATH"].split(os.pathsep) if not shutil.which("torchrun", path=d))
     p = torchx("run", "--workspace", "", "-s", "local_cwd", "trainer/components.py:train_ddp", "--j", "1x2", "--config", "configs/smoke.yaml",
                "--checkpoint_dir", str(tmp_path / "ck"), "--data_dir", str(tmp_path / "data"), "--", "train.epochs=1", "train.plot=false",
-               env=env(TORCHX_LOG_DIR=str(tmp_path / "logs")), timeout=600)
+               env=env(TORCHX_LOG_DIR=str(tmp_path / "logs"), PATH=path), timeout=600)
     out = p.stdout + p.stderr
     assert "Job finished: SUCCEEDED" in out and "strategy ddp x2" in out, out[-3000:]
     assert (tmp_path / "ck" / "step-32" / "state.pt").is_file()
@@ -300,6 +352,8 @@ def test_torchx_slurm_dryrun_asks_for_the_right_resources():
     ("multi-node", ["--gpus", "0"], "--gpus=0 must be at least 1"),
     ("multi-node", ["--image", "cluster-trainer:0.1.0"], "is a local name that a cluster cannot pull"),
     ("single-gpu", ["--gpus", "8"], "is one pod with one GPU"),
+    ("storage", [], "the PVCs need a storage class: pass STORAGE_CLASS="),
+    ("storage", ["--storage-class", "Not A Name"], "is not a storage class name"),
 ])
 def test_render_refuses_what_no_cluster_can_run_in_one_line(folder, args, words):
     stdin = yaml.safe_dump_all(manifests(folder))

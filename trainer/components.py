@@ -14,6 +14,7 @@ Every component runs the same command as the other launchers: ``trainer torchrun
 """
 
 # torchx 0.7's component linter reads annotations as written: keep typing.Optional/Dict here.
+import sys
 from typing import Dict, List, Optional
 
 import torchx.specs as specs
@@ -81,8 +82,13 @@ def train_ddp(
         env={"PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})}, max_retries=max_retries, mounts=mounts or None,
     )
     role = app.roles[0]
-    # `trainer torchrun`: torchrun that keeps the exit contract (0, 75 saved on a signal, 2 bad input)
-    role.args[-1] = role.args[-1].replace("torchrun ", f"python -m trainer torchrun --max-restarts {max_restarts} ", 1)
+    # `trainer torchrun`: torchrun that keeps the exit contract (0, 75 saved on a signal, 2 bad input).
+    # Its interpreter: the one running `torchx run` where that path exists where the job runs
+    # (local_cwd, Slurm on a shared file system: `.venv/bin/torchx` works without activating the
+    # venv), else the image's `python`.
+    role.env.setdefault("TRAINER_PYTHON", sys.executable)
+    launcher = 'py="${TRAINER_PYTHON:-python}"; [ -x "$py" ] || py=python; "$py" -m trainer torchrun'
+    role.args[-1] = role.args[-1].replace("torchrun ", f"{launcher} --max-restarts {max_restarts} ", 1)
     return app
 
 
