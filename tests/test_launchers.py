@@ -368,6 +368,19 @@ def test_make_k8s_apply_stops_before_kubectl_apply_on_a_local_image_name():
     assert "connection refused" not in p.stderr.lower() and "no objects passed" not in p.stderr, p.stderr
 
 
+@pytest.mark.parametrize("component", ["train_ddp", "train_single"])
+def test_torchx_checkpoints_go_to_the_storage_pvc_unless_told_otherwise(component):
+    def claims(*extra: str) -> list:
+        p = torchx("run", "--workspace", "", "--dryrun", "-s", "kubernetes", f"trainer/components.py:{component}", "--image", "reg/cluster-trainer:1", *extra)
+        pod = yaml.safe_load(scheduler_request(p.stdout))["spec"]["tasks"][0]["template"]["spec"]
+        mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+        return [(v["persistentVolumeClaim"]["claimName"], mounts[v["name"]]) for v in pod["volumes"] if "persistentVolumeClaim" in v]
+
+    pvc = next(d for d in manifests("storage") if "checkpoints" in d["metadata"]["name"])["metadata"]["name"]
+    assert claims() == [(pvc, "/checkpoints")]  # the PVC k8s/storage makes: checkpoints outlive the pods
+    assert claims("--checkpoint_mount", "") == []
+
+
 def test_torchx_ddp_asks_one_gpu_per_process_unless_told_otherwise():
     def limits(*extra: str) -> list:
         p = torchx("run", "--workspace", "", "--dryrun", "-s", "kubernetes", "trainer/components.py:train_ddp", "--image", "reg/cluster-trainer:1",

@@ -43,7 +43,7 @@ def train_ddp(
     h: Optional[str] = None,
     config: str = "configs/default.yaml",
     checkpoint_dir: str = "/checkpoints/cifar",
-    checkpoint_mount: str = "",
+    checkpoint_mount: str = "cifar-checkpoints",
     data_dir: str = "/data",
     data_mount: str = "",
     mount_type: str = "volume",
@@ -64,8 +64,10 @@ def train_ddp(
         h: a registered named resource (takes precedence over cpu, gpu and memMB)
         config: trainer config file inside the image (configs/*.yaml)
         checkpoint_dir: where rank 0 writes checkpoints; keep it stable so a relaunch resumes
-        checkpoint_mount: volume for checkpoints: a ReadWriteMany PVC name (mount_type=volume) or a
-            host path (mount_type=bind), mounted at checkpoint_dir's parent; empty for no mount
+        checkpoint_mount: volume for checkpoints: a ReadWriteMany PVC name (mount_type=volume; the
+            default is the one `make k8s-storage` creates, so checkpoints outlive the pods) or a host
+            path (mount_type=bind), mounted at checkpoint_dir's parent; "" for none (then they die
+            with the pod). Slurm and local schedulers take no mounts: checkpoint_dir is a path there
         data_dir: data folder inside the job
         data_mount: volume holding the data set, mounted read-only at data_dir; empty for no mount
         mount_type: volume (Kubernetes PVC) or bind (host path)
@@ -100,7 +102,7 @@ def train_single(
     memMB: int = 32768,
     config: str = "configs/default.yaml",
     checkpoint_dir: str = "/checkpoints/cifar-single",
-    checkpoint_mount: str = "",
+    checkpoint_mount: str = "cifar-checkpoints",
     data_dir: str = "/data",
     data_mount: str = "",
     mount_type: str = "volume",
@@ -116,7 +118,7 @@ def train_single(
         memMB: memory in MB
         config: trainer config file inside the image
         checkpoint_dir: where checkpoints go; keep it stable so a relaunch resumes
-        checkpoint_mount: PVC name or host path for checkpoints (see train_ddp)
+        checkpoint_mount: PVC name or host path for checkpoints (cifar-checkpoints; see train_ddp)
         data_dir: data folder inside the job
         data_mount: volume holding the data set, mounted read-only
         mount_type: volume (Kubernetes PVC) or bind (host path)
