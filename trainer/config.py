@@ -42,6 +42,10 @@ class ModelConfig:
         "default"
     )
     """torch.compile mode."""
+    compile_cache: bool = False
+    """Keep the compiled kernels in checkpoint.dir/compile-cache (keyed by torch, GPU, world size and
+    config), so that a restart, on any node, loads them instead of compiling again. Off by default
+    until the GPU suite has measured it (issue 14); CPU-tested."""
     channels_last: bool | None = None
     """Keep activations and conv weights in NHWC, what Tensor Cores want (auto: on for CUDA)."""
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 
-from trainer import parallel
+from trainer import compile_cache, parallel
 from trainer.config import Config, to_yaml
 from trainer.data import Split
 from trainer.dist import Runtime, all_reduce_sum, barrier
@@ -113,7 +113,13 @@ class Trainer:
             for k, v in r.model.state_dict().items():
                 v.copy_(saved[k])
         self.first_step_s = time.perf_counter() - r.started_at
-        r.log.write({"event": "first_step", "seconds": round(self.first_step_s, 3), "compiled": r.fast.compile})
+        saved = 0
+        if r.compile_cache in ("none", "damaged") and self.rt.is_main:
+            saved = compile_cache.save(r.root, r.compile_key)  # what this start compiled, for the next one
+        if r.compile_cache != "off":
+            r.say.line(f"compile cache {r.compile_key}: {r.compile_cache}" + (f"; saved {saved / 2**20:.1f} MiB for restarts" if saved else ""))
+        r.log.write({"event": "first_step", "seconds": round(self.first_step_s, 3), "compiled": r.fast.compile,
+                     "compile_cache": r.compile_cache, "compile_cache_saved_bytes": saved})
 
     def done_steps(self) -> bool:
         return 0 < self.cfg.train.max_steps <= self.state.step

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer import data, models, parallel
+from trainer import compile_cache, data, models, parallel
 from trainer.checkpoint import Checkpointer, ModelPart, OptimizerPart, TrainState
 from trainer.config import Config, ConfigError
 from trainer.dist import Runtime, agree, broadcast
@@ -78,6 +78,9 @@ class Run:
     say: Progress
     resumed_from: Path | None
     started_at: float
+    compile_cache: str = "off"
+    """What the start-up found in checkpoint.dir/compile-cache: off, none, damaged or 'loaded N artifacts'."""
+    compile_key: str = ""
 
 
 def build(cfg: Config, rt: Runtime, started_at: float | None = None) -> Run:
@@ -129,6 +132,11 @@ def build(cfg: Config, rt: Runtime, started_at: float | None = None) -> Run:
     if fast.channels_last and rt.strategy != "fsdp":
         model.to(memory_format=torch.channels_last)
 
+    root = Path(cfg.checkpoint.dir)
+    cache, cache_key = "off", ""
+    if fast.compile and cfg.model.compile_cache:  # before anything compiles
+        cache_key = compile_cache.key(cfg, rt, fast)
+        cache = compile_cache.load(root, cache_key)
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing)
     net = parallel.wrap(model, criterion, cfg, rt, fast.compile, fast.bf16)
     optimizer = build_optimizer(model, cfg, rt.cuda, sharded=rt.strategy == "fsdp")
@@ -142,7 +150,6 @@ def build(cfg: Config, rt: Runtime, started_at: float | None = None) -> Run:
         ckpt.restore(saved, {k: v for k, v in ckpt.parts.items() if k != "model"}, resumed_from)
         del saved
     test_split = data.Split(test_split.images.to(rt.device), test_split.labels.to(rt.device), test_split.classes) if fast.device_resident else test_split
-    root = Path(cfg.checkpoint.dir)
     return Run(
         cfg=cfg, rt=rt, fast=fast, root=root, state=state, train_split=train_split, test_split=test_split,
         model=model, eval_model=model, net=net, optimizer=optimizer, schedule=schedule, lookahead=lookahead,
@@ -150,4 +157,5 @@ def build(cfg: Config, rt: Runtime, started_at: float | None = None) -> Run:
         steps_per_epoch=steps_per_epoch, total_steps=total, stop=StopFlag(rt),
         checkpointer=ckpt,
         log=RunLog(root, rt, cfg.train.tensorboard, state.step if resumed_from else None), say=say, resumed_from=resumed_from, started_at=started_at,
+        compile_cache=cache, compile_key=cache_key,
     )
