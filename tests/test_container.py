@@ -110,6 +110,17 @@ def test_folders_made_as_the_caller_train_resume_and_a_stop_gives_75(image, host
         sh([ENGINE, "rm", "-f", name])
 
 
+def test_a_folder_the_engine_made_as_root_gets_one_line_naming_the_fix(image, host):
+    # what `docker run -v ./checkpoints:/checkpoints` does when ./checkpoints does not exist yet
+    ck = host / "checkpoints"
+    ck.mkdir()  # root's, as the engine makes it
+    p = sh(docker_run(image, ck, "train.epochs=1"), timeout=300)
+    lines = [line for line in (p.stdout + p.stderr).splitlines() if line.startswith("error:")]
+    assert p.returncode == 2 and len(lines) == 1, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "/checkpoints belongs to uid 0, this process runs as uid 1000" in lines[0] and "mkdir -p" in lines[0], lines
+    assert list(ck.iterdir()) == []  # nothing written
+
+
 def test_a_uid_with_no_passwd_entry_and_no_writable_home_trains(image, host):
     # OpenShift and `user:` overrides: a uid the image does not know, group 0, HOME=/ (not writable)
     ck = host / "checkpoints"

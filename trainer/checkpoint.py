@@ -19,6 +19,7 @@ momentum buffer comes back channels-last, which the fused optimizers require.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -203,6 +204,18 @@ def space_needed(root: Path, state_bytes: int, keep: int) -> int:
     return max(1, keep + 1 - have) * state_bytes
 
 
+def _owner_hint(root: Path, e: OSError) -> str:
+    """For a permission error: whose folder it is, when that is not us. The usual cause is a bind
+    mount that the container engine created, as root, because it did not exist yet."""
+    if e.errno != errno.EACCES:
+        return ""
+    folder = next((p for p in (root, *root.parents) if p.exists()), None)
+    if folder is None or folder.stat().st_uid == os.getuid():
+        return ""
+    return (f": {folder} belongs to uid {folder.stat().st_uid}, this process runs as uid {os.getuid()}; "
+            f"create the folder as the user that runs the job before the container starts (mkdir -p), or run as its owner (-u UID:GID)")
+
+
 def probe(root: Path, need_bytes: int, keep: int | None = None) -> None:
     """Fail now, not after an hour, when ``root`` is unwritable or has no room for the checkpoints
     the run will keep (``need_bytes`` is one checkpoint; ``keep`` K means K + 1 at a save)."""
@@ -215,7 +228,7 @@ def probe(root: Path, need_bytes: int, keep: int | None = None) -> None:
             os.fsync(fh.fileno())
         test.unlink()
     except OSError as e:
-        raise CheckpointError(f"checkpoint.dir={root} is not writable ({e.strerror}); mount it read-write or set checkpoint.dir to a writable folder") from None
+        raise CheckpointError(f"checkpoint.dir={root} is not writable ({e.strerror}{_owner_hint(root, e)}); mount it read-write or set checkpoint.dir to a writable folder") from None
     free = shutil.disk_usage(root).free
     need = need_bytes if keep is None else space_needed(root, need_bytes, keep)
     if free < need * 1.1:
