@@ -16,6 +16,7 @@ K8S ?= multi-node
 ENGINE ?= docker
 COMPOSE ?= docker compose
 CHECKPOINTS ?= checkpoints
+BUILD ?= --build
 DATA_ARGS := $(if $(DATA),data.name=imagefolder data.dir=$(DATA))
 
 .PHONY: venv run-local test test-slow test-all test-gpu container-test lint bench image compose-up k8s-storage k8s-apply slurm-submit torchx-k8s slurm-up clean
@@ -49,7 +50,8 @@ test-gpu: venv
 .venv-compose-v1/bin/docker-compose:
 	$(PYTHON) -m venv .venv-compose-v1
 	echo 'cython<3' > .venv-compose-v1/build-constraints.txt
-	PIP_CONSTRAINT=$(CURDIR)/.venv-compose-v1/build-constraints.txt .venv-compose-v1/bin/pip install -q docker-compose==1.29.2
+	PIP_CONSTRAINT=$(CURDIR)/.venv-compose-v1/build-constraints.txt .venv-compose-v1/bin/pip install -q docker-compose==1.29.2 \
+		docker==6.1.3 requests==2.31.0
 
 lint: venv
 	$(BIN)/ruff check trainer tests k8s
@@ -64,16 +66,18 @@ image:
 	$(ENGINE) build -t $(IMAGE) .
 
 ## docker compose up with ./data (or DATA=folder of the CIFAR-10 tarballs or class folders) and
-## CHECKPOINTS made first as you (an engine makes missing ones root's), the containers run as you
+## CHECKPOINTS made first as you (an engine makes missing ones root's), the containers run as you;
+## BUILD= uses IMAGE as it is
 compose-up:
 	mkdir -p $(or $(DATA),data) $(CHECKPOINTS)
 	IMAGE=$(IMAGE) NPROC_PER_NODE=$(NPROC) CONFIG=$(CONFIG) CHECKPOINTS=$(CHECKPOINTS) \
 		USER_ID=$${USER_ID:-$$(id -u)} GROUP_ID=$${GROUP_ID:-$$(id -g)} \
-		$(if $(DATA),DATA=$(DATA) DATA_NAME=imagefolder) $(COMPOSE) up --build
+		$(if $(DATA),DATA=$(DATA) DATA_NAME=imagefolder) $(COMPOSE) up $(BUILD)
 
 ## The image built and run by a real engine (podman here and in CI; the base built locally)
-## (podman-compose runs docker-compose.yml; docker-compose 1.29.2, the v1 client, checks it, in its
-## own venv: its PyYAML<6 clashes with ours and needs Cython<3 to build)
+## (podman-compose and docker-compose 1.29.2, the v1 client, through podman's Docker API, run
+## docker-compose.yml; v1 in its own venv: its PyYAML<6 clashes with ours and needs Cython<3 to
+## build, and it needs the docker-py and requests of its day)
 container-test: venv .venv-compose-v1/bin/docker-compose
 	$(BIN)/python -m pip install -q podman-compose==1.6.0
 	CONTAINERS_CONF=$(CURDIR)/tests/container/containers.conf bash tests/container/base.sh
