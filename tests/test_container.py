@@ -88,8 +88,7 @@ def test_folders_made_as_the_caller_train_resume_and_a_stop_gives_75(image, host
     assert 64 in done(ck)
 
     name = f"container-test-stop-{os.getpid()}"
-    cmd = docker_run(image, ck, "train.epochs=60", "train.log_every=4")
-    started = sh([*cmd[:2], "-d", "--name", name, *cmd[2:]])
+    started = sh(docker_run(image, ck, "train.epochs=60", "train.log_every=4", extra=("-d", "--name", name)))
     assert started.returncode == 0, started.stderr
     try:
         deadline, logs = time.monotonic() + 240, ""

@@ -113,13 +113,13 @@ class Trainer:
             for k, v in r.model.state_dict().items():
                 v.copy_(saved[k])
         self.first_step_s = time.perf_counter() - r.started_at
-        saved = 0
+        cache_bytes = 0
         if r.compile_cache in ("none", "damaged") and self.rt.is_main:
-            saved = compile_cache.save(r.root, r.compile_key)  # what this start compiled, for the next one
+            cache_bytes = compile_cache.save(r.root, r.compile_key)  # what this start compiled, for the next one
         if r.compile_cache != "off":
-            r.say.line(f"compile cache {r.compile_key}: {r.compile_cache}" + (f"; saved {saved / 2**20:.1f} MiB for restarts" if saved else ""))
+            r.say.line(f"compile cache {r.compile_key}: {r.compile_cache}" + (f"; saved {cache_bytes / 2**20:.1f} MiB for restarts" if cache_bytes else ""))
         r.log.write({"event": "first_step", "seconds": round(self.first_step_s, 3), "compiled": r.fast.compile,
-                     "compile_cache": r.compile_cache, "compile_cache_saved_bytes": saved})
+                     "compile_cache": r.compile_cache, "compile_cache_saved_bytes": cache_bytes})
 
     def done_steps(self) -> bool:
         return 0 < self.cfg.train.max_steps <= self.state.step
