@@ -28,8 +28,12 @@ def layout(t: torch.Tensor) -> tuple:
 
 def live_layout(run) -> dict[str, tuple]:
     model = unwrap(run.model)
-    out = {f"model/{k}": layout(v) for k, v in model.state_dict(keep_vars=True).items()}
+    sd = model.state_dict(keep_vars=True)
+    out = {f"model/{k}": layout(v) for k, v in (run.masters.state_dict(sd) if run.masters else sd).items()}
     names = {id(p): n for n, p in model.named_parameters()}
+    if run.masters:  # train.param_dtype=bf16: the bf16 working weights too; the optimizer holds their masters
+        out.update({f"working/{n}": layout(p) for n, p in run.masters.named})
+        names.update({id(m): n for n, m in run.masters.masters.items()})
     for group in run.optimizer.param_groups:
         for p in group["params"]:
             for key, v in run.optimizer.state.get(p, {}).items():

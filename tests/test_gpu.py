@@ -71,6 +71,9 @@ TWO_GPUS = {
     "ddp-sync-channels_last-fused-fp32-lookahead": ["train.strategy=ddp", "checkpoint.async_save=false", "model.channels_last=true", "train.precision=fp32",
                                                      "optim.ema_every=3", "model.compile=false"],
     "fsdp-async-foreach-bf16": ["train.strategy=fsdp", "checkpoint.async_save=true", "model.compile=false"],
+    # bf16 working weights: bf16 all-reduce, the compiled master update, CUDA graphs (compile_mode auto)
+    "ddp-async-channels_last-bf16-weights-compiled": ["train.strategy=ddp", "checkpoint.async_save=true", "model.channels_last=true",
+                                                      "train.param_dtype=bf16", "model.compile=true"],
 }
 
 

@@ -50,3 +50,61 @@ def test_fused_optimizer_needs_cuda():
 
     with pytest.raises(ConfigError, match="optim.impl=foreach"):
         build_optimizer(nn.Linear(2, 2), load_config(None, ["optim.impl=fused"]), cuda=False)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("momentum, nesterov, wd", [(0.0, False, 0.0), (0.9, False, 5e-4), (0.9, True, 5e-4)])
+def test_bf16_weights_follow_torch_sgd_on_their_fp32_masters(compiled, momentum, nesterov, wd):
+    """train.param_dtype=bf16: the masters take torch.optim.SGD's steps from the bf16 gradients
+    (same lr schedule, momentum kept in the optimizer's state), and the working weights are the
+    masters rounded to bf16 after every step."""
+    from trainer.optim import MasterWeights, build_schedule
+
+    torch.manual_seed(0)
+    cfg = load_config(None, [f"optim.momentum={momentum}", f"optim.nesterov={str(nesterov).lower()}", f"optim.weight_decay={wd}",
+                             "optim.lr=0.1", "optim.schedule=cosine", "optim.warmup_epochs=0", "train.precision=bf16", "train.param_dtype=bf16"])
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4 * 4 * 4, 3))
+    reference = [p.detach().clone() for p in model.parameters()]
+    masters = MasterWeights(model, compiled=compiled)
+    assert [p.dtype for p in model.parameters()] == [torch.bfloat16, torch.float32, torch.float32, torch.float32, torch.bfloat16, torch.float32]
+    opt = build_optimizer(model, cfg, cuda=False, masters=masters)
+    schedule = build_schedule(opt, cfg, 4, 4)
+    ref_opt = torch.optim.SGD([{"params": [reference[i] for i in (0, 4)]}, {"params": [reference[i] for i in (1, 2, 3, 5)]}],
+                              lr=0.1, momentum=momentum, nesterov=nesterov, weight_decay=wd, foreach=False)
+    ref_schedule = build_schedule(ref_opt, cfg, 4, 4)
+    masters.warm_up(opt)  # compiles on copies: nothing real moves
+    assert all(torch.equal(masters.masters[n], reference[i]) for i, n in ((0, "0.weight"), (4, "3.weight")))
+    for _ in range(3):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(torch.randn(2, 3, 6, 6)).float().square().mean()
+        loss.backward()
+        for r, p in zip(reference, model.parameters(), strict=True):
+            r.grad = p.grad.float()
+        assert model[0].weight.grad.dtype == torch.bfloat16
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        schedule.step()
+        ref_opt.step()
+        ref_schedule.step()
+        assert model[0].weight.grad is None  # the hook clears the bf16 gradients it used
+        for i, name in ((0, "0.weight"), (4, "3.weight")):
+            torch.testing.assert_close(masters.masters[name], reference[i], rtol=1e-6, atol=1e-7)
+            assert torch.equal(dict(model.named_parameters())[name], masters.masters[name].bfloat16())
+        for i in (1, 2, 3, 5):
+            torch.testing.assert_close(list(model.parameters())[i], reference[i], rtol=1e-6, atol=1e-7)
+    if momentum:
+        assert all("momentum_buffer" in opt.state[m] for m in masters.masters.values())
+
+
+def test_bf16_weights_are_refused_where_they_cannot_work():
+    from trainer.config import ConfigError
+
+    bad = {
+        "train.precision=fp32": "train.precision=bf16",
+        "train.strategy=fsdp": "use ddp",
+        "optim.name=adamw": "optim.name=sgd",
+        "optim.ema_every=5": "optim.ema_every=0",
+    }
+    for override, fix in bad.items():
+        with pytest.raises(ConfigError, match=fix):
+            load_config(None, ["train.param_dtype=bf16", override])

@@ -70,6 +70,8 @@ def check_resume(tmp_path: Path, overrides: list[str], nproc: int = 1, exact: bo
 FAST = {
     "async-channels_last-foreach": ["checkpoint.async_save=true", "model.channels_last=true", "optim.impl=foreach"],
     "sync-contiguous-loop": ["checkpoint.async_save=false", "model.channels_last=false", "optim.impl=loop"],
+    # bf16 working weights, fp32 masters (and their momentum) in the checkpoint
+    "async-channels_last-bf16-weights": ["checkpoint.async_save=true", "model.channels_last=true", "train.precision=bf16", "train.param_dtype=bf16"],
 }
 SLOW = {
     "sync-channels_last-foreach": ["checkpoint.async_save=false", "model.channels_last=true", "optim.impl=foreach"],
@@ -95,6 +97,7 @@ def test_resume_is_exact_one_process_more(tmp_path, case):
     ("ddp", ["checkpoint.async_save=true", "model.channels_last=true"]),
     ("ddp", ["checkpoint.async_save=false", "model.channels_last=true", "optim.ema_every=3"]),
     ("fsdp", ["checkpoint.async_save=true"]),
+    ("ddp", ["checkpoint.async_save=true", "model.channels_last=true", "train.precision=bf16", "train.param_dtype=bf16"]),  # bf16 all-reduce
 ])
 def test_resume_is_exact_two_ranks(tmp_path, strategy, overrides):
     check_resume(tmp_path, [f"train.strategy={strategy}", *overrides], nproc=2)

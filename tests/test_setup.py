@@ -26,6 +26,20 @@ def test_fast_path_is_on_for_cuda_and_each_part_switches_off():
     assert not Fast.resolve(load_config(), dp).compile  # DataParallel is never compiled
 
 
+def test_compile_mode_auto_uses_cuda_graphs_where_they_can_be_captured():
+    def mode(strategy: str, device: str, *overrides: str) -> Fast:
+        rt = Runtime(strategy, 0, 0, 1, 1, torch.device(device, 0) if device == "cuda" else torch.device("cpu"), None)
+        return Fast.resolve(load_config(None, ["model.compile=true", *overrides]), rt)
+
+    assert mode("single", "cuda").compile_mode == "reduce-overhead" and mode("single", "cuda").cudagraphs
+    assert mode("ddp", "cuda").compile_mode == "reduce-overhead"
+    assert mode("fsdp", "cuda").compile_mode == "default" and not mode("fsdp", "cuda").cudagraphs
+    assert mode("cpu", "cpu").compile_mode == "default"
+    assert mode("single", "cuda", "model.compile_mode=default").compile_mode == "default"  # an explicit mode stays
+    assert "compile (reduce-overhead)" in str(mode("single", "cuda"))
+    assert not mode("single", "cuda", "model.compile=false").cudagraphs
+
+
 def relative(a: dict, b: dict) -> float:
     num = sum(float((a[k].float() - b[k].float()).norm() ** 2) for k in a)
     den = sum(float(b[k].float().norm() ** 2) for k in b)

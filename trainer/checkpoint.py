@@ -468,13 +468,15 @@ class ModelPart:
 
     def __init__(self, model: nn.Module, strategy: str, name: str):
         self.model, self.strategy, self.name = unwrap(model), strategy, name
+        self.masters = None  # MasterWeights (train.param_dtype=bf16): saved in place of the bf16 weights
 
     def state_dict(self) -> dict:
         if self.strategy == "fsdp":
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
             return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return self.model.state_dict()
+        sd = self.model.state_dict()
+        return self.masters.state_dict(sd) if self.masters else sd
 
     def load_state_dict(self, state: dict, where: Path | str = "checkpoint") -> None:
         try:
@@ -482,17 +484,20 @@ class ModelPart:
         except RuntimeError as e:
             detail = next((line.strip() for line in str(e).splitlines()[1:] if line.strip()), str(e))
             raise CheckpointError(f"checkpoint {where} does not fit model {self.name} ({detail}); use a checkpoint of this model") from None
+        if self.masters:
+            self.masters.load_state_dict(state)
 
 
 class OptimizerPart:
     """Optimizer state keyed by parameter *name*, so a checkpoint of any strategy and world size
     resumes under any other (fsdp: a collective, the full state on rank 0)."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str):
-        self.model, self.optimizer, self.strategy = unwrap(model), optimizer, strategy
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str, masters: Any = None):
+        self.model, self.optimizer, self.strategy, self.masters = unwrap(model), optimizer, strategy, masters
 
     def _names(self) -> list[str]:
-        name_of = {id(p): n for n, p in self.model.named_parameters()}
+        held = self.masters.optimized if self.masters else (lambda p: p)
+        name_of = {id(held(p)): n for n, p in self.model.named_parameters()}
         return [name_of[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
 
     def state_dict(self) -> dict:

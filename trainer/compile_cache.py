@@ -37,7 +37,7 @@ def key(cfg: Any, rt: Any, fast: Any) -> str:
         "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(), "device": device,
         "world_size": rt.world_size, "strategy": rt.strategy, "fast": dataclasses.asdict(fast),
         "model": dataclasses.asdict(cfg.model), "dist": dataclasses.asdict(cfg.dist), "optim": dataclasses.asdict(cfg.optim),
-        "train": {k: getattr(cfg.train, k) for k in ("batch_size", "precision", "deterministic", "strategy")},
+        "train": {k: getattr(cfg.train, k) for k in ("batch_size", "precision", "param_dtype", "deterministic", "strategy")},
         "data": {k: getattr(cfg.data, k) for k in ("crop_padding", "crop_mode", "flip", "flip_mode")},
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]

@@ -38,10 +38,10 @@ class ModelConfig:
     604 M-parameter CNN), airnet (small fast net of the speed recipe), tinynet (for tests)."""
     compile: bool | None = None
     """torch.compile the model (auto: on for CUDA). Costs tens of seconds before the first step."""
-    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = (
-        "default"
-    )
-    """torch.compile mode."""
+    compile_mode: Literal["auto", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "auto"
+    """torch.compile mode. auto: reduce-overhead (CUDA graphs: each compiled graph replays as one
+    launch, so the host no longer paces the GPU) for one GPU and ddp, where it measured fastest
+    (BENCHMARKS.md); default under fsdp, whose per-layer gathers are not captured in graphs."""
     compile_cache: bool = False
     """Keep the compiled kernels in checkpoint.dir/compile-cache (keyed by torch, GPU, world size and
     config), so that a restart, on any node, loads them instead of compiling again. Off by default
@@ -141,6 +141,12 @@ class TrainConfig:
     """Deterministic kernels (bit-identical reruns; slower on GPUs)."""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """bf16 autocast or plain fp32 (auto: bf16 on CUDA)."""
+    param_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Dtype of the weight matrices that forward and backward use. bf16 (needs bf16 autocast; SGD;
+    one GPU or ddp): the optimizer keeps an fp32 master copy of each and writes the bf16 copy after
+    every step, so gradients come out, and are all-reduced, in bf16 (half the bytes of fp32) and
+    autocast casts no weights per step. Biases and norm parameters stay fp32. Checkpoints hold the
+    fp32 master weights either way."""
     log_every: int = 50
     """Steps between log lines: each one is a CPU-GPU sync point."""
     log_seconds: float = 30.0
@@ -273,7 +279,21 @@ class Config:
             raise ConfigError("optim.nesterov=true needs optim.momentum > 0; set optim.nesterov=false")
         if not self.checkpoint.dir:
             raise ConfigError("checkpoint.dir must not be empty")
+        if self.train.param_dtype == "bf16":
+            self._check_bf16_weights()
         return self
+
+    def _check_bf16_weights(self) -> None:
+        t = self.train
+        if t.precision == "fp32":
+            raise ConfigError("train.param_dtype=bf16 needs bf16 autocast; set train.precision=bf16 (or auto on a GPU), or train.param_dtype=fp32")
+        if t.strategy in ("fsdp", "dp"):
+            hint = "fsdp gathers bf16 weights itself (dist.reduce_dtype)" if t.strategy == "fsdp" else "DataParallel replicates the module every step"
+            raise ConfigError(f"train.param_dtype=bf16 does not work with train.strategy={t.strategy} ({hint}); set train.param_dtype=fp32 or use ddp")
+        if self.optim.name != "sgd":
+            raise ConfigError("train.param_dtype=bf16 updates its fp32 master weights with SGD only; set optim.name=sgd or train.param_dtype=fp32")
+        if self.optim.ema_every:
+            raise ConfigError("train.param_dtype=bf16 does not work with Lookahead (optim.ema_every); set optim.ema_every=0 or train.param_dtype=fp32")
 
 
 # --------------------------------------------------------------------------------------------

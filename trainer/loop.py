@@ -105,10 +105,11 @@ class Trainer:
         x = r.augment.train(r.train_split.images[:b].to(self.rt.device), 0, 0, torch.arange(b, device=self.rt.device))
         y = r.train_split.labels[:b].to(self.rt.device)
         r.net.train()
-        cudagraphs = r.fast.compile and self.cfg.model.compile_mode in ("reduce-overhead", "max-autotune")
-        for _ in range(3 if cudagraphs else 1):
+        for _ in range(3 if r.fast.cudagraphs else 1):
             _ = self.forward_backward(x, y).item()
-            r.optimizer.zero_grad(set_to_none=True)
+            r.model.zero_grad(set_to_none=True)  # the model's: with bf16 weights the optimizer holds only their masters
+        if r.masters is not None:
+            r.masters.warm_up(r.optimizer)
         with torch.no_grad():
             for k, v in r.model.state_dict().items():
                 v.copy_(saved[k])

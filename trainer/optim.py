@@ -10,11 +10,13 @@ from torch import nn
 from trainer.config import Config, ConfigError
 
 
-def param_groups(model: nn.Module, cfg: Config) -> list[dict]:
+def param_groups(model: nn.Module, cfg: Config, masters: MasterWeights | None = None) -> list[dict]:
     """Weights get lr and weight decay; biases and norm parameters (1-D) get lr x bias_lr_scale and
-    weight decay / bias_lr_scale, so their decay per step (lr x wd) is the same."""
+    weight decay / bias_lr_scale, so their decay per step (lr x wd) is the same. With bf16 weights
+    the optimizer holds their fp32 masters."""
     o = cfg.optim
-    weights = [p for p in model.parameters() if p.requires_grad and p.ndim > 1]
+    held = masters.optimized if masters else (lambda p: p)
+    weights = [held(p) for p in model.parameters() if p.requires_grad and p.ndim > 1]
     others = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]
     groups = [{"params": weights, "lr": o.lr, "weight_decay": o.weight_decay}]
     if others:
@@ -28,16 +30,19 @@ def impl_kwargs(impl: str, cuda: bool) -> dict:
     return {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
 
 
-def build_optimizer(model: nn.Module, cfg: Config, cuda: bool, sharded: bool = False) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: Config, cuda: bool, sharded: bool = False, masters: MasterWeights | None = None) -> torch.optim.Optimizer:
     o = cfg.optim
     if o.impl == "fused" and not cuda:
         raise ConfigError("optim.impl=fused needs CUDA; use optim.impl=foreach (or auto) on the CPU")
     if o.impl == "fused" and sharded:
         raise ConfigError("optim.impl=fused does not run on fsdp's sharded parameters; use optim.impl=foreach (or auto)")
     kw = impl_kwargs("foreach" if sharded and o.impl == "auto" else o.impl, cuda)
-    groups = param_groups(model, cfg)
+    groups = param_groups(model, cfg, masters)
     if o.name == "sgd":
-        return torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov, **kw)
+        opt = torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov, **kw)
+        if masters:
+            masters.attach(opt)
+        return opt
     return torch.optim.AdamW(groups, lr=o.lr, betas=(o.momentum, 0.999), **kw)
 
 
@@ -95,3 +100,95 @@ class Lookahead:
     def load_state_dict(self, state: dict) -> None:
         for n, s in zip(self.names, self.slow, strict=True):
             s.copy_(state[n])
+
+
+def _sgd_on_masters(masters: list, weights: list, grads: list, buffers: list, lr: torch.Tensor, momentum: float, weight_decay: float,
+                    nesterov: bool) -> None:
+    """torch.optim.SGD's update (dampening 0) of fp32 master weights from bf16 gradients, then the
+    bf16 working copies. Compiled, each tensor's update is one kernel that reads the master, the
+    gradient (and the momentum) once and writes the master and its copy: 12 bytes a weight without
+    momentum, where casting the gradients to fp32 first and running the fused SGD takes 24."""
+    for master, weight, grad, buf in zip(masters, weights, grads, buffers, strict=True):
+        d = grad.float()
+        if weight_decay:
+            d = d.add(master, alpha=weight_decay)
+        if momentum:
+            buf.mul_(momentum).add_(d)  # a zero buffer on the first step: the same as torch's clone of d
+            d = d.add(buf, alpha=momentum) if nesterov else buf
+        master.sub_(lr * d)
+        weight.copy_(master)
+
+
+class MasterWeights:
+    """bf16 working weights for forward and backward, fp32 master weights for the optimizer
+    (train.param_dtype=bf16). Built after the checkpoint's weights are loaded and before wrapping:
+    each weight matrix (ndim > 1) becomes bf16 in place and gets an fp32 master copy. The optimizer
+    holds the masters; they never get a ``.grad``, so its own step skips them and a step hook
+    updates them from the bf16 gradients (``_sgd_on_masters``). Checkpoints see the masters."""
+
+    def __init__(self, model: nn.Module, compiled: bool):
+        self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.ndim > 1 and p.dtype == torch.float32]
+        with torch.no_grad():
+            self.masters = {n: p.detach().clone() for n, p in self.named}  # keeps the memory format
+            for _, p in self.named:
+                p.data = p.data.to(torch.bfloat16)
+        self._master_of = {id(p): self.masters[n] for n, p in self.named}
+        self._update = torch.compile(_sgd_on_masters, dynamic=False) if compiled else _sgd_on_masters
+        self._lr: dict[int, torch.Tensor] = {}
+
+    def optimized(self, p: torch.Tensor) -> torch.Tensor:
+        """What the optimizer holds for model parameter ``p``: its master, or ``p`` itself."""
+        return self._master_of.get(id(p), p)
+
+    def state_dict(self, sd: dict) -> dict:
+        """The model's state dict with each bf16 weight replaced by its fp32 master."""
+        return {k: self.masters.get(k, v) for k, v in sd.items()}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        for n, master in self.masters.items():
+            master.copy_(state[n])
+        for n, p in self.named:
+            p.copy_(self.masters[n])
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.register_step_post_hook(lambda opt, args, kwargs: self.step(opt))
+
+    def _groups(self, optimizer: torch.optim.Optimizer, scratch: bool = False):
+        weight_of = {id(self.masters[n]): p for n, p in self.named}
+        for i, group in enumerate(optimizer.param_groups):
+            masters = [m for m in group["params"] if id(m) in weight_of]
+            if not masters:
+                continue
+            weights = [weight_of[id(m)] for m in masters]
+            buffers = [self._buffer(optimizer, m) for m in masters] if group["momentum"] else [None] * len(masters)
+            lr = self._lr.setdefault(i, torch.zeros((), device=masters[0].device))
+            if scratch:  # copies of the same shapes and layouts: what the compiled update is traced on
+                masters, weights, buffers = ([None if t is None else t.clone() for t in ts] for ts in (masters, weights, buffers))
+                grads = [torch.zeros_like(w) for w in weights]
+            else:
+                grads = [w.grad for w in weights]
+            yield masters, weights, grads, buffers, lr, group
+
+    @staticmethod
+    def _buffer(optimizer: torch.optim.Optimizer, master: torch.Tensor) -> torch.Tensor:
+        state = optimizer.state[master]
+        if "momentum_buffer" not in state:  # in the optimizer's state, so checkpoints carry it
+            state["momentum_buffer"] = torch.zeros_like(master)
+        return state["momentum_buffer"]
+
+    @torch.no_grad()
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        for masters, weights, grads, buffers, lr, group in self._groups(optimizer):
+            if any(g is None for g in grads):
+                raise RuntimeError("a bf16 weight got no gradient this step; train.param_dtype=bf16 needs every weight used")
+            lr.fill_(group["lr"])  # a device scalar: the schedule changes it without recompiling
+            self._update(masters, weights, grads, buffers, lr, group["momentum"], group["weight_decay"], group["nesterov"])
+            for w in weights:
+                w.grad = None
+
+    @torch.no_grad()
+    def warm_up(self, optimizer: torch.optim.Optimizer) -> None:
+        """Compile the update before the clock starts, on scratch copies (the real state stays)."""
+        for masters, weights, grads, buffers, lr, group in self._groups(optimizer, scratch=True):
+            self._update(masters, weights, grads, buffers, lr, group["momentum"], group["weight_decay"], group["nesterov"])

@@ -32,7 +32,7 @@ class WithLoss(nn.Module):
         return self.criterion(self.model(x), y)
 
 
-def wrap(model: nn.Module, criterion: nn.Module, cfg: Config, rt: Runtime, compile_model: bool, bf16: bool) -> nn.Module:
+def wrap(model: nn.Module, criterion: nn.Module, cfg: Config, rt: Runtime, compile_model: bool, bf16: bool, mode: str = "default") -> nn.Module:
     """The module that training calls, ``net(images, labels) -> loss``; ``model`` itself stays
     usable for evaluation."""
     if rt.strategy == "dp":
@@ -43,7 +43,7 @@ def wrap(model: nn.Module, criterion: nn.Module, cfg: Config, rt: Runtime, compi
     net = WithLoss(model, criterion)
     if rt.strategy == "fsdp":
         _shard(model, cfg, bf16)
-        return torch.compile(net, mode=cfg.model.compile_mode) if compile_model else net
+        return torch.compile(net, mode=mode) if compile_model else net
     if rt.strategy == "ddp":
         d = cfg.dist
         ddp = nn.parallel.DistributedDataParallel
@@ -63,8 +63,8 @@ def wrap(model: nn.Module, criterion: nn.Module, cfg: Config, rt: Runtime, compi
         # means every gradient arrives (and is sent) only at the end of backward, but half the
         # graph launches: the better trade for a small model whose step is launch-bound.
         torch._dynamo.config.optimize_ddp = d.split_graph_at_buckets
-        return torch.compile(net, mode=cfg.model.compile_mode) if compile_model else net
-    return torch.compile(net, mode=cfg.model.compile_mode) if compile_model else net
+        return torch.compile(net, mode=mode) if compile_model else net
+    return torch.compile(net, mode=mode) if compile_model else net
 
 
 def _shard(model: nn.Module, cfg: Config, bf16: bool) -> None:

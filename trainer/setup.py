@@ -19,7 +19,7 @@ from trainer.dist import Runtime, agree, broadcast
 from trainer.faults import StopFlag
 from trainer.loader import Augment, make_train_loader
 from trainer.metrics import Progress, RunLog
-from trainer.optim import Lookahead, build_optimizer, build_schedule
+from trainer.optim import Lookahead, MasterWeights, build_optimizer, build_schedule
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,9 @@ class Fast:
     compile: bool
     device_resident: bool
     async_save: bool
+    bf16_weights: bool = False
+    compile_mode: str = "default"
+    """model.compile_mode with auto resolved (see ModelConfig.compile_mode)."""
 
     @classmethod
     def resolve(cls, cfg: Config, rt: Runtime) -> Fast:
@@ -38,19 +41,37 @@ class Fast:
             return rt.cuda if value is None else value
 
         compile_model = auto(cfg.model.compile) and rt.strategy != "dp"
+        bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and rt.cuda)
+        if cfg.train.param_dtype == "bf16" and not bf16:
+            raise ConfigError("train.param_dtype=bf16 needs bf16 autocast, which auto turns on only on GPUs; set train.precision=bf16 or train.param_dtype=fp32")
         if cfg.model.compile and rt.strategy == "dp":
             raise ConfigError("model.compile=true does not work with train.strategy=dp; use model.compile=false (or auto) or train.strategy=ddp")
         return cls(
-            bf16=cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and rt.cuda),
+            bf16=bf16,
+            bf16_weights=cfg.train.param_dtype == "bf16",
             channels_last=auto(cfg.model.channels_last),
             compile=compile_model,
             device_resident=cfg.data.device_resident,
             async_save=auto(cfg.checkpoint.async_save),
+            compile_mode=resolve_compile_mode(cfg.model.compile_mode, rt.strategy, rt.cuda),
         )
 
+    @property
+    def cudagraphs(self) -> bool:
+        return self.compile and self.compile_mode in ("reduce-overhead", "max-autotune")
+
     def __str__(self) -> str:
-        on = [f.name for f in fields(self) if getattr(self, f.name)]
+        on = [f.name for f in fields(self) if f.name != "compile_mode" and getattr(self, f.name)]
+        on = [f"compile ({self.compile_mode})" if name == "compile" else name for name in on]
         return "fast path: " + (", ".join(on) if on else "off")
+
+
+def resolve_compile_mode(mode: str, strategy: str, cuda: bool) -> str:
+    """auto: CUDA graphs (reduce-overhead) wherever a compiled GPU step can be captured; plain
+    compilation on the CPU (no graphs there) and under fsdp (its hooks gather weights between graphs)."""
+    if mode != "auto":
+        return mode
+    return "reduce-overhead" if cuda and strategy != "fsdp" else "default"
 
 
 @dataclass
@@ -81,6 +102,8 @@ class Run:
     compile_cache: str = "off"
     """What the start-up found in checkpoint.dir/compile-cache: off, none, damaged or 'loaded N artifacts'."""
     compile_key: str = ""
+    masters: MasterWeights | None = None
+    """fp32 master weights behind bf16 working weights (train.param_dtype=bf16)."""
 
 
 def build(cfg: Config, rt: Runtime, started_at: float | None = None) -> Run:
@@ -137,14 +160,18 @@ def build(cfg: Config, rt: Runtime, started_at: float | None = None) -> Run:
     if fast.compile and cfg.model.compile_cache:  # before anything compiles
         cache_key = compile_cache.key(cfg, rt, fast)
         cache = compile_cache.load(root, cache_key)
+    masters = None
+    if fast.bf16_weights:  # after the checkpoint's fp32 weights are in, before DDP sees the parameters
+        masters = MasterWeights(model, compiled=fast.compile)
+        model_part.masters = masters
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing)
-    net = parallel.wrap(model, criterion, cfg, rt, fast.compile, fast.bf16)
-    optimizer = build_optimizer(model, cfg, rt.cuda, sharded=rt.strategy == "fsdp")
+    net = parallel.wrap(model, criterion, cfg, rt, fast.compile, fast.bf16, fast.compile_mode)
+    optimizer = build_optimizer(model, cfg, rt.cuda, sharded=rt.strategy == "fsdp", masters=masters)
     total = steps_per_epoch * cfg.train.epochs
     total = min(total, cfg.train.max_steps) if cfg.train.max_steps else total
     schedule = build_schedule(optimizer, cfg, total, steps_per_epoch)
     lookahead = Lookahead(model, cfg.optim.ema_every) if cfg.optim.ema_every else None
-    ckpt.register(model=model_part, optimizer=OptimizerPart(model, optimizer, rt.strategy),
+    ckpt.register(model=model_part, optimizer=OptimizerPart(model, optimizer, rt.strategy, masters),
                   scheduler=schedule, lookahead=lookahead, train=state)
     if saved is not None:
         ckpt.restore(saved, {k: v for k, v in ckpt.parts.items() if k != "model"}, resumed_from)
@@ -157,5 +184,5 @@ def build(cfg: Config, rt: Runtime, started_at: float | None = None) -> Run:
         steps_per_epoch=steps_per_epoch, total_steps=total, stop=StopFlag(rt),
         checkpointer=ckpt,
         log=RunLog(root, rt, cfg.train.tensorboard, state.step if resumed_from else None), say=say, resumed_from=resumed_from, started_at=started_at,
-        compile_cache=cache, compile_key=cache_key,
+        compile_cache=cache, compile_key=cache_key, masters=masters,
     )

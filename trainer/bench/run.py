@@ -15,7 +15,8 @@ recipe with an eleventh epoch, on --seeds),
 trace (DDP variants: step time and how much of the all-reduce overlaps compute),
 seednet (our trainer: batch 64 and 256 per GPU, DDP and FSDP, the fast path on and off), stall
 (async against sync checkpoint), recipes (the speed recipe on real data), resnet18 (the
-default recipe on real data, all GPUs).
+default recipe on real data, all GPUs), resnet18-scaling (the default recipe on one GPU, then on all),
+seednet-weights (bf16 working weights against fp32, with and without CUDA graphs, beside the article's DDP).
 """
 
 from __future__ import annotations
@@ -204,6 +205,24 @@ def suites(args, out: Path, tmp: Path, gpus: int) -> None:
             ours(out, tmp, f"ours-ddp-b64-nccl{channels}ch", gpus, 64, [], env={"NCCL_MAX_NCHANNELS": str(channels)})
     if "resnet18" in chosen:
         recipe(out, tmp, "resnet18", gpus, "configs/default.yaml", data, [f"train.epochs={args.resnet_epochs}"])
+    if "resnet18-scaling" in chosen:  # the default recipe as shipped, one GPU then all of them, same call
+        epochs = [f"train.epochs={args.resnet_epochs}"]
+        recipe(out, tmp, "resnet18-1gpu", 1, "configs/default.yaml", data, epochs)
+        if gpus > 1:
+            recipe(out, tmp, f"resnet18-{gpus}gpu", gpus, "configs/default.yaml", data, epochs)
+    if "seednet-weights" in chosen:  # bf16 working weights against fp32 ones, with and without CUDA graphs,
+        # beside the article's DDP loop of the same call
+        if gpus > 1:
+            run_case("article-ddp", cmd_for(gpus, "trainer.bench.article", ["--mode", "ddp"]), out, 600)
+        bf16w, plain_mode = ["train.param_dtype=bf16"], ["model.compile_mode=default"]
+        ours(out, tmp, "ours-single-b64-bf16w", 1, 64, bf16w)
+        if gpus > 1:
+            ours(out, tmp, "ours-ddp-b64-fp32w-nographs", gpus, 64, ["train.param_dtype=fp32", *plain_mode])
+            ours(out, tmp, "ours-ddp-b64-fp32w", gpus, 64, ["train.param_dtype=fp32"])
+            ours(out, tmp, "ours-ddp-b64-bf16w-nographs", gpus, 64, [*bf16w, *plain_mode])
+            ours(out, tmp, "ours-ddp-b64-bf16w", gpus, 64, bf16w)
+            ours(out, tmp, "ours-ddp-b512-bf16w", gpus, 512, bf16w, steps=40)
+            ours(out, tmp, "ours-ddp-b1024-bf16w", gpus, 1024, bf16w, steps=30)
 
 
 def table(rows: list[dict]) -> str:
