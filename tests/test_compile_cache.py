@@ -3,7 +3,6 @@ and a real compiled run that saves them and a restart on a "fresh node" that loa
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
@@ -52,33 +51,50 @@ def test_the_key_changes_with_what_is_compiled_and_nothing_else(monkeypatch):
         assert changed(mutate) == base
 
 
-def test_a_missing_blob_is_none_and_a_damaged_one_is_ignored_with_a_warning(tmp_path):
-    assert compile_cache.load(tmp_path, "k") == "none"
-    blob, digest = compile_cache.paths(tmp_path, "k")
-    blob.parent.mkdir()
-    blob.write_bytes(b"not what torch saved")
-    digest.write_text("0" * 64)
-    with pytest.warns(UserWarning, match=r"ignoring the damaged compile cache .*k\.bin \(ValueError: checksum mismatch\)"):
-        assert compile_cache.load(tmp_path, "k") == "damaged"
-    digest.write_text(hashlib.sha256(blob.read_bytes()).hexdigest())  # the right checksum, garbage inside
-    with pytest.warns(UserWarning, match="ignoring the damaged compile cache"):
-        assert compile_cache.load(tmp_path, "k") == "damaged"
+def fill(root: Path, name: str, files: dict[str, bytes]) -> Path:
+    d = compile_cache.folder(root, name)
+    for rel, content in files.items():
+        (d / rel).parent.mkdir(parents=True, exist_ok=True)
+        (d / rel).write_bytes(content)
+    return d
 
 
-def test_save_writes_blob_and_checksum_and_keeps_the_newest(tmp_path, monkeypatch):
-    folder = tmp_path / compile_cache.FOLDER
-    folder.mkdir()
-    for i in range(compile_cache.KEEP + 1):  # older blobs, oldest first
-        for path in compile_cache.paths(tmp_path, f"old{i}"):
-            path.write_bytes(b"x")
-            os.utime(path, (time.time() - 100 + i, time.time() - 100 + i))
-    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"artifacts", None))
-    assert compile_cache.save(tmp_path, "new") == len(b"artifacts")
-    kept = sorted(p.stem for p in folder.glob("*.bin"))
+def test_a_sealed_cache_is_warm_and_a_changed_or_unsealed_one_is_set_aside_with_a_warning(tmp_path):
+    assert compile_cache.check(tmp_path, "k") == "none"
+    d = fill(tmp_path, "k", {"inductor/fx/ab/entry": b"graph", "triton/X/kernel.cubin": b"binary", "inductor/locks/x.lock": b""})
+    with pytest.warns(UserWarning, match=r"ignoring the damaged compile cache .*k \(no MANIFEST.json: the start that wrote it stopped while compiling\)"):
+        assert compile_cache.check(tmp_path, "k") == "damaged"  # a start that died mid-compile
+    assert not d.exists() and not list((tmp_path / compile_cache.FOLDER).iterdir())
+
+    d = fill(tmp_path, "k", {"inductor/fx/ab/entry": b"graph", "triton/X/kernel.cubin": b"binary", "inductor/locks/x.lock": b""})
+    assert compile_cache.seal(tmp_path, "k") == len(b"graph") + len(b"binary")  # lock files are not entries
+    assert compile_cache.check(tmp_path, "k") == "warm (2 files)"
+    (d / "triton/X/kernel.cubin").write_bytes(b"binarz")  # same size, other bytes
+    with pytest.warns(UserWarning, match=r"triton/X/kernel.cubin is missing or changed\); compiling from scratch"):
+        assert compile_cache.check(tmp_path, "k") == "damaged"
+    assert not d.exists()
+
+
+def test_use_points_torchs_caches_at_the_keys_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/node/local")
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    d = compile_cache.use(tmp_path, "k")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str((d / "inductor").resolve()) and os.environ["TRITON_CACHE_DIR"] == str((d / "triton").resolve())
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    assert cache_dir() == str((d / "inductor").resolve())  # what inductor itself will use
+
+
+def test_seal_keeps_the_newest_keys(tmp_path):
+    for i in range(compile_cache.KEEP + 1):  # older caches, oldest first
+        fill(tmp_path, f"old{i}", {"inductor/e": b"x"})
+        compile_cache.seal(tmp_path, f"old{i}")
+        manifest = compile_cache.folder(tmp_path, f"old{i}") / compile_cache.MANIFEST
+        os.utime(manifest, (time.time() - 100 + i, time.time() - 100 + i))
+    fill(tmp_path, "new", {"inductor/e": b"x"})
+    compile_cache.seal(tmp_path, "new")
+    kept = sorted(p.name for p in (tmp_path / compile_cache.FOLDER).iterdir())
     assert kept == sorted(["new", *(f"old{i}" for i in range(2, compile_cache.KEEP + 1))])
-    assert sorted(p.stem for p in folder.glob("*.sha256")) == kept and not list(folder.glob("*.tmp"))
-    blob, digest = compile_cache.paths(tmp_path, "new")
-    assert blob.read_bytes() == b"artifacts" and digest.read_text() == hashlib.sha256(b"artifacts").hexdigest()
 
 
 def first_step(ckpt: Path) -> dict:
@@ -86,11 +102,11 @@ def first_step(ckpt: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_a_restart_on_a_fresh_node_loads_the_compiled_step_and_a_damaged_cache_is_rebuilt(tmp_path):
+def test_a_restart_on_a_fresh_node_compiles_nothing_and_a_damaged_cache_is_rebuilt(tmp_path):
     ckpt = tmp_path / "ck"
 
     def train(steps: int, node: str):
-        # each "node" starts with empty local inductor and Triton caches: only the volume is shared
+        # each "node" has its own empty local inductor and Triton caches: only the volume is shared
         cmd = [sys.executable, "-m", "trainer", "train", "--config", "configs/smoke.yaml", "model.compile=true", "model.compile_cache=true", f"checkpoint.dir={ckpt}",
                f"train.max_steps={steps}", "train.plot=false", "train.tensorboard=false"]
         return run(cmd, env=env(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / node / "inductor"), TRITON_CACHE_DIR=str(tmp_path / node / "triton")),
@@ -98,25 +114,27 @@ def test_a_restart_on_a_fresh_node_loads_the_compiled_step_and_a_damaged_cache_i
 
     p = train(2, "node-a")
     cold = first_step(ckpt)
-    assert p.returncode == 0 and cold["compile_cache"] == "none" and cold["compile_cache_saved_bytes"] > 0, p.stdout[-2000:]
-    (blob,) = (ckpt / compile_cache.FOLDER).glob("*.bin")
-    assert blob.stat().st_size == cold["compile_cache_saved_bytes"]
+    assert p.returncode == 0 and cold["compile_cache"] == "none" and cold["compile_cache_bytes"] > 0, p.stdout[-2000:]
+    assert "fx_codegen_and_compile" in cold["compile_s"]  # inductor generated and built the kernels
+    (d,) = (ckpt / compile_cache.FOLDER).iterdir()
+    assert (d / compile_cache.MANIFEST).is_file() and not (tmp_path / "node-a" / "inductor").exists()  # written to the volume
 
     p = train(4, "node-b")
     warm = first_step(ckpt)
-    assert p.returncode == 0 and warm["compile_cache"].startswith("loaded ") and int(warm["compile_cache"].split()[1]) > 0, p.stdout[-2000:]
-    assert warm["compile_cache_saved_bytes"] == 0 and f"compile cache {blob.stem}: loaded" in p.stdout
+    assert p.returncode == 0 and warm["compile_cache"].startswith("warm (") and f"compile cache {d.name}: warm" in p.stdout, p.stdout[-2000:]
+    assert "fx_codegen_and_compile" not in warm["compile_s"]  # every graph came from the volume
 
-    blob.write_bytes(blob.read_bytes()[: blob.stat().st_size // 2])  # a torn copy on the volume
+    entry = max((f for f in d.rglob("*") if f.is_file() and f.name != compile_cache.MANIFEST), key=lambda f: f.stat().st_size)
+    entry.write_bytes(entry.read_bytes()[: entry.stat().st_size // 2])  # a torn file on the volume
     p = train(6, "node-c")
     out = p.stdout + p.stderr
     assert p.returncode == 0 and "ignoring the damaged compile cache" in out, out[-2000:]
-    assert first_step(ckpt)["compile_cache"] == "damaged" and first_step(ckpt)["compile_cache_saved_bytes"] > 0
-    assert hashlib.sha256(blob.read_bytes()).hexdigest() == blob.with_suffix(".sha256").read_text()  # rebuilt whole
+    rebuilt = first_step(ckpt)
+    assert rebuilt["compile_cache"] == "damaged" and "fx_codegen_and_compile" in rebuilt["compile_s"] and rebuilt["compile_cache_bytes"] > 0
+    assert compile_cache.check(ckpt, d.name).startswith("warm (")  # sealed again, whole
 
 
-def test_a_cache_that_cannot_be_written_costs_a_warning_not_the_run(tmp_path, monkeypatch):
+def test_a_cache_that_cannot_be_sealed_costs_a_warning_not_the_run(tmp_path):
     (tmp_path / compile_cache.FOLDER).write_text("a file where the folder should be")
-    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"artifacts", None))
-    with pytest.warns(UserWarning, match="could not save the compile cache .*the next start compiles again"):
-        assert compile_cache.save(tmp_path, "k") == 0
+    with pytest.warns(UserWarning, match="could not seal the compile cache .*the next start compiles again"):
+        assert compile_cache.seal(tmp_path, "k") == 0

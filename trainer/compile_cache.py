@@ -1,16 +1,21 @@
 """Compiled artifacts kept on the checkpoint volume, so that a restart skips most of torch.compile.
 
 A cluster job starts many times (first launch, every preemption, every crash restart), often on a
-fresh node whose local inductor and Triton caches are empty. After the warm-up has compiled
-everything, rank 0 saves ``torch.compiler.save_cache_artifacts()`` (inductor's compiled graphs,
-Triton kernels and autotuning results, one blob) as ``<checkpoint.dir>/compile-cache/<key>.bin``
-with its sha256 beside it; at start-up every rank loads the blob of its key before it compiles.
+fresh node whose local caches are empty. With ``model.compile_cache=true`` every rank points
+torch's own compile caches at ``<checkpoint.dir>/compile-cache/<key>/`` before anything compiles:
+``inductor/`` (TORCHINDUCTOR_CACHE_DIR: compiled graphs, AOTAutograd entries, autotuning results,
+generated code and, on the CPU, the built C++ kernels) and ``triton/`` (TRITON_CACHE_DIR: the GPU
+kernels' binaries). torch writes each entry atomically; a restart on any node reads them back
+instead of compiling. (The alternative, ``torch.compiler.save_cache_artifacts``, measured little:
+its blob leaves the kernels to be built again on a fresh node.)
 
 The key hashes what decides what gets compiled: the torch, CUDA and Python versions, the device
 (GPU name or CPU), the world size and strategy, the resolved fast path, and the config sections the
-compiled step depends on. A blob of another key is never read. A damaged blob (wrong checksum, or
-torch refuses it) is ignored with a warning, and the run compiles from scratch and writes a new
-one. The newest ``KEEP`` blobs stay.
+compiled step depends on; a folder of another key is never read. After each warm-up rank 0 seals
+the folder: ``MANIFEST.json`` lists every file with its size and sha256. Before the next start
+compiles, rank 0 checks them; a folder with a changed or missing file, or without a manifest (a
+start that died while compiling), is set aside with a warning and the run compiles from scratch.
+The newest ``KEEP`` keys stay.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import hashlib
 import json
 import os
 import platform
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -28,6 +34,7 @@ import torch
 
 FOLDER = "compile-cache"
 KEEP = 4
+MANIFEST = "MANIFEST.json"
 
 
 def key(cfg: Any, rt: Any, fast: Any) -> str:
@@ -43,50 +50,76 @@ def key(cfg: Any, rt: Any, fast: Any) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def paths(root: Path, name: str) -> tuple[Path, Path]:
-    blob = root / FOLDER / f"{name}.bin"
-    return blob, blob.with_suffix(".sha256")
+def folder(root: Path, name: str) -> Path:
+    return root / FOLDER / name
 
 
-def load(root: Path, name: str) -> str:
-    """Load this key's blob into torch's compile caches, before anything is compiled. Returns what
-    happened, for the start line and metrics: 'loaded N artifacts', 'none', or 'damaged'."""
-    blob, digest = paths(root, name)
-    if not blob.is_file():
+def use(root: Path, name: str) -> Path:
+    """Every rank, before anything compiles: torch's inductor and Triton caches live in this key's
+    folder (it overrides TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR: the point is to share them)."""
+    d = folder(root, name)
+    (d / "inductor").mkdir(parents=True, exist_ok=True)
+    (d / "triton").mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str((d / "inductor").resolve())
+    os.environ["TRITON_CACHE_DIR"] = str((d / "triton").resolve())
+    return d
+
+
+def _files(d: Path) -> list[Path]:
+    """The cache's entries: no lock files, no half-written temporaries."""
+    return sorted(p for p in d.rglob("*") if p.is_file() and p.name != MANIFEST and not p.name.endswith(".lock") and ".tmp" not in p.name
+                  and not p.name.startswith("tmp"))
+
+
+def _digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def check(root: Path, name: str) -> str:
+    """Rank 0, before the others use the folder: 'warm (N files)', 'none', or 'damaged' (the folder
+    set aside with a warning)."""
+    d = folder(root, name)
+    if not d.is_dir() or not any(d.rglob("*")):
         return "none"
+    problem = None
     try:
-        data = blob.read_bytes()
-        if not digest.is_file() or hashlib.sha256(data).hexdigest() != digest.read_text().strip():
-            raise ValueError("checksum mismatch")
-        info = torch.compiler.load_cache_artifacts(data)
-        if info is None:  # torch logs why and gives up on blobs it cannot read
-            raise ValueError("torch could not read it")
-    except Exception as e:  # noqa: BLE001 - any failure here only costs a cold compile
-        warnings.warn(f"ignoring the damaged compile cache {blob} ({e.__class__.__name__}: {e}); compiling from scratch", stacklevel=2)
-        return "damaged"
-    count = sum(len(v) for v in getattr(info, "artifacts", {}).values())
-    return f"loaded {count} artifacts"
+        entries = json.loads((d / MANIFEST).read_text())["files"]
+        for rel, (size, digest) in entries.items():
+            path = d / rel
+            if not path.is_file() or path.stat().st_size != size or _digest(path) != digest:
+                problem = f"{rel} is missing or changed"
+                break
+    except FileNotFoundError:
+        problem = f"no {MANIFEST}: the start that wrote it stopped while compiling"
+    except (ValueError, KeyError, TypeError) as e:
+        problem = f"unreadable {MANIFEST} ({e.__class__.__name__})"
+    if problem is None:
+        return f"warm ({len(entries)} files)"
+    warnings.warn(f"ignoring the damaged compile cache {d} ({problem}); compiling from scratch", stacklevel=2)
+    aside = d.with_name(f"{name}.damaged-{os.getpid()}")
+    os.replace(d, aside)
+    shutil.rmtree(aside, ignore_errors=True)
+    return "damaged"
 
 
-def save(root: Path, name: str) -> int:
-    """Rank 0, after the warm-up compiled the step: write this key's blob (atomically) and keep the
-    newest KEEP. Returns the bytes written (0 when torch had nothing to save)."""
-    blob, digest = paths(root, name)
+def seal(root: Path, name: str) -> int:
+    """Rank 0, after the warm-up compiled the step: write the manifest (atomically), keep the newest
+    KEEP keys. Returns the cache's bytes; a failure is only a warning (the next start compiles)."""
+    d = folder(root, name)
     try:
-        out = torch.compiler.save_cache_artifacts()
-        if out is None:
-            return 0
-        data = out[0]
-        blob.parent.mkdir(parents=True, exist_ok=True)
-        for path, content in ((blob, data), (digest, hashlib.sha256(data).hexdigest().encode())):
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_bytes(content)
-            os.replace(tmp, path)  # a crash mid-write leaves the old blob or none, never half of one
-    except Exception as e:  # noqa: BLE001 - a cache that cannot be written costs the next start a compile, not this run
-        warnings.warn(f"could not save the compile cache {blob} ({e.__class__.__name__}: {e}); the next start compiles again", stacklevel=2)
+        files = _files(d)
+        entries = {str(p.relative_to(d)): (p.stat().st_size, _digest(p)) for p in files}
+        tmp = d / f"{MANIFEST}.tmp"
+        tmp.write_text(json.dumps({"key": name, "torch": torch.__version__, "files": entries}, indent=0))
+        os.replace(tmp, d / MANIFEST)
+    except OSError as e:
+        warnings.warn(f"could not seal the compile cache {d} ({e.__class__.__name__}: {e}); the next start compiles again", stacklevel=2)
         return 0
-    blobs = sorted(blob.parent.glob("*.bin"), key=lambda p: p.stat().st_mtime, reverse=True)
-    for old in blobs[KEEP:]:
-        old.unlink(missing_ok=True)
-        old.with_suffix(".sha256").unlink(missing_ok=True)
-    return len(data)
+    sealed = [p.parent for p in (root / FOLDER).glob(f"*/{MANIFEST}")]
+    for old in sorted(sealed, key=lambda p: (p / MANIFEST).stat().st_mtime, reverse=True)[KEEP:]:
+        shutil.rmtree(old, ignore_errors=True)
+    return sum(size for size, _ in entries.values())

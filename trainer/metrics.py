@@ -16,6 +16,30 @@ import torch
 from trainer.dist import Runtime
 
 
+class Startup:
+    """Seconds spent in each start-up phase, logged with the first step (metrics.jsonl's
+    ``first_step`` event): where a start's, or a restart's, time to its first step went."""
+
+    def __init__(self, started_at: float):
+        self.last = started_at
+        self.phases: dict[str, float] = {}
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases[phase] = round(self.phases.get(phase, 0.0) + now - self.last, 3)
+        self.last = now
+
+    @staticmethod
+    def compile_seconds(top: int = 8) -> dict[str, float]:
+        """torch.compile's own timings (dynamo, AOTAutograd, inductor, cache loads), largest first."""
+        try:
+            from torch._dynamo.utils import compilation_time_metrics
+        except ImportError:  # pragma: no cover - a torch without it
+            return {}
+        sums = {k: round(sum(v), 3) for k, v in compilation_time_metrics.items() if v}
+        return dict(sorted(sums.items(), key=lambda kv: -kv[1])[:top])
+
+
 class StepTimer:
     """Device time of the input pipeline and of whole steps, from CUDA events (no sync until read);
     host clocks on the CPU."""

@@ -62,9 +62,21 @@ def wrap(model: nn.Module, criterion: nn.Module, cfg: Config, rt: Runtime, compi
         # all-reduced while backward still runs (dist.split_graph_at_buckets). One graph instead
         # means every gradient arrives (and is sent) only at the end of backward, but half the
         # graph launches: the better trade for a small model whose step is launch-bound.
-        torch._dynamo.config.optimize_ddp = d.split_graph_at_buckets
+        torch._dynamo.config.optimize_ddp = split_at_buckets(model, d.split_graph_at_buckets, d.bucket_mb)
         return torch.compile(net, mode=mode) if compile_model else net
     return torch.compile(net, mode=mode) if compile_model else net
+
+
+SPLIT_BUCKETS = 4
+
+
+def split_at_buckets(model: nn.Module, setting: bool | None, bucket_mb: int) -> bool:
+    """dist.split_graph_at_buckets resolved: auto splits when the gradients fill more than
+    SPLIT_BUCKETS buckets, where hiding their all-reduce behind backward is worth the extra graphs."""
+    if setting is not None:
+        return setting
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return grad_bytes > SPLIT_BUCKETS * bucket_mb * 2**20
 
 
 def _shard(model: nn.Module, cfg: Config, bf16: bool) -> None:
