@@ -58,3 +58,17 @@ def test_fast_and_plain_paths_compute_the_same(tmp_path):
     assert relative(weights(newest(tmp_path / "fast32")), plain) < 1e-4
     bf16 = relative(weights(newest(tmp_path / "fast16")), plain)
     assert 0 < bf16 < 3e-2
+
+
+def test_param_dtype_auto_takes_bf16_weights_only_where_they_work():
+    def weights(strategy: str, device: str, *overrides: str) -> bool:
+        rt = Runtime(strategy, 0, 0, 1, 1, torch.device(device, 0) if device == "cuda" else torch.device("cpu"), None)
+        return Fast.resolve(load_config(None, ["train.param_dtype=auto", *overrides]), rt).bf16_weights
+
+    assert weights("single", "cuda") and weights("ddp", "cuda")
+    assert not weights("cpu", "cpu")  # autocast is off on the CPU by default
+    assert weights("cpu", "cpu", "train.precision=bf16")
+    assert not weights("fsdp", "cuda") and not weights("dp", "cuda")
+    assert not weights("single", "cuda", "optim.name=adamw") and not weights("single", "cuda", "optim.ema_every=5")
+    assert not weights("single", "cuda", "train.precision=fp32")
+    assert not Fast.resolve(load_config(), Runtime("single", 0, 0, 1, 1, torch.device("cuda", 0), None)).bf16_weights  # the default: fp32

@@ -142,12 +142,13 @@ class TrainConfig:
     """Deterministic kernels (bit-identical reruns; slower on GPUs)."""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """bf16 autocast or plain fp32 (auto: bf16 on CUDA)."""
-    param_dtype: Literal["fp32", "bf16"] = "fp32"
-    """Dtype of the weight matrices that forward and backward use. bf16 (needs bf16 autocast; SGD;
-    one GPU or ddp): the optimizer keeps an fp32 master copy of each and writes the bf16 copy after
-    every step, so gradients come out, and are all-reduced, in bf16 (half the bytes of fp32) and
-    autocast casts no weights per step. Biases and norm parameters stay fp32. Checkpoints hold the
-    fp32 master weights either way."""
+    param_dtype: Literal["auto", "fp32", "bf16"] = "fp32"
+    """Dtype of the weight matrices that forward and backward use. bf16 (needs bf16 autocast; SGD
+    without Lookahead; one GPU or ddp): the optimizer keeps an fp32 master copy of each and writes
+    the bf16 copy after every step, so gradients come out, and are all-reduced, in bf16 (half the
+    bytes of fp32) and autocast casts no weights per step. Biases and norm parameters stay fp32.
+    Checkpoints hold the fp32 master weights either way. auto: bf16 wherever it works (so fp32 on
+    the CPU, whose autocast is off by default). seednet on 2 H200s: 6,409 -> 7,620 images/s."""
     log_every: int = 50
     """Steps between log lines: each one is a CPU-GPU sync point."""
     log_seconds: float = 30.0

@@ -44,11 +44,14 @@ class Fast:
         bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and rt.cuda)
         if cfg.train.param_dtype == "bf16" and not bf16:
             raise ConfigError("train.param_dtype=bf16 needs bf16 autocast, which auto turns on only on GPUs; set train.precision=bf16 or train.param_dtype=fp32")
+        o = cfg.optim
+        bf16_weights = cfg.train.param_dtype == "bf16" or (
+            cfg.train.param_dtype == "auto" and bf16 and rt.strategy in ("cpu", "single", "ddp") and o.name == "sgd" and not o.ema_every)
         if cfg.model.compile and rt.strategy == "dp":
             raise ConfigError("model.compile=true does not work with train.strategy=dp; use model.compile=false (or auto) or train.strategy=ddp")
         return cls(
             bf16=bf16,
-            bf16_weights=cfg.train.param_dtype == "bf16",
+            bf16_weights=bf16_weights,
             channels_last=auto(cfg.model.channels_last),
             compile=compile_model,
             device_resident=cfg.data.device_resident,
