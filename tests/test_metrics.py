@@ -45,3 +45,20 @@ def test_without_the_tensorboard_package_training_is_silent_about_it(ckpt):
     said = (p.stdout + p.stderr).replace(str(ckpt), "CKPT").lower()
     assert "tensorboard" not in said and not (ckpt / "tensorboard").exists()
     assert (ckpt / "step-16").is_dir()
+
+
+def test_startup_phases_add_up_to_the_time_since_the_start():
+    import time
+
+    from trainer.metrics import Startup
+
+    t0 = time.perf_counter()
+    clock = Startup(t0)
+    time.sleep(0.02)
+    clock.mark("a")
+    clock.mark("b")
+    time.sleep(0.01)
+    clock.mark("a")  # a phase met twice adds up
+    assert list(clock.phases) == ["a", "b"] and clock.phases["a"] >= 0.03
+    assert abs(sum(clock.phases.values()) - (time.perf_counter() - t0)) < 0.01
+    assert isinstance(Startup.compile_seconds(), dict)

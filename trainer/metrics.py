@@ -30,7 +30,7 @@ class Startup:
         self.last = now
 
     @staticmethod
-    def compile_seconds(top: int = 8) -> dict[str, float]:
+    def compile_seconds(top: int = 16) -> dict[str, float]:
         """torch.compile's own timings (dynamo, AOTAutograd, inductor, cache loads), largest first."""
         try:
             from torch._dynamo.utils import compilation_time_metrics
