@@ -38,7 +38,7 @@ MANIFEST = "MANIFEST.json"
 
 
 def key(cfg: Any, rt: Any, fast: Any) -> str:
-    """16 hex digits naming the blob for this torch, device, world and config."""
+    """16 hex digits naming the folder for this torch, device, world and config."""
     device = torch.cuda.get_device_name(rt.device) if rt.cuda else f"cpu-{platform.machine()}"
     parts = {
         "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(), "device": device,

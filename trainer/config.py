@@ -284,21 +284,24 @@ class Config:
             raise ConfigError("optim.nesterov=true needs optim.momentum > 0; set optim.nesterov=false")
         if not self.checkpoint.dir:
             raise ConfigError("checkpoint.dir must not be empty")
-        if self.train.param_dtype == "bf16":
-            self._check_bf16_weights()
+        if self.train.param_dtype == "bf16" and (problem := self.bf16_weights_problem(self.train.strategy)):
+            raise ConfigError(problem)
         return self
 
-    def _check_bf16_weights(self) -> None:
+    def bf16_weights_problem(self, strategy: str) -> str | None:
+        """Why bf16 working weights cannot work with this config under ``strategy`` (a one-line
+        error naming the fix), or None. train.param_dtype=bf16 raises it; auto falls back to fp32."""
         t = self.train
         if t.precision == "fp32":
-            raise ConfigError("train.param_dtype=bf16 needs bf16 autocast; set train.precision=bf16 (or auto on a GPU), or train.param_dtype=fp32")
-        if t.strategy in ("fsdp", "dp"):
-            hint = "fsdp gathers bf16 weights itself (dist.reduce_dtype)" if t.strategy == "fsdp" else "DataParallel replicates the module every step"
-            raise ConfigError(f"train.param_dtype=bf16 does not work with train.strategy={t.strategy} ({hint}); set train.param_dtype=fp32 or use ddp")
+            return "train.param_dtype=bf16 needs bf16 autocast; set train.precision=bf16 (or auto on a GPU), or train.param_dtype=fp32"
+        if strategy in ("fsdp", "dp"):
+            hint = "fsdp gathers bf16 weights itself (dist.reduce_dtype)" if strategy == "fsdp" else "DataParallel replicates the module every step"
+            return f"train.param_dtype=bf16 does not work with train.strategy={strategy} ({hint}); set train.param_dtype=fp32 or use ddp"
         if self.optim.name != "sgd":
-            raise ConfigError("train.param_dtype=bf16 updates its fp32 master weights with SGD only; set optim.name=sgd or train.param_dtype=fp32")
+            return "train.param_dtype=bf16 updates its fp32 master weights with SGD only; set optim.name=sgd or train.param_dtype=fp32"
         if self.optim.ema_every:
-            raise ConfigError("train.param_dtype=bf16 does not work with Lookahead (optim.ema_every); set optim.ema_every=0 or train.param_dtype=fp32")
+            return "train.param_dtype=bf16 does not work with Lookahead (optim.ema_every); set optim.ema_every=0 or train.param_dtype=fp32"
+        return None
 
 
 # --------------------------------------------------------------------------------------------

@@ -101,8 +101,7 @@ class Trainer:
         the epoch-0 numbers that training then uses: no random state moves."""
         r = self.r
         clock = r.startup
-        if clock:
-            clock.mark("build_rest")  # wrapping, optimizer, input pipeline
+        clock.mark("build_rest")  # wrapping, optimizer, input pipeline
         saved = {k: v.detach().clone() for k, v in r.model.state_dict().items()}
         b = self.rt.per_rank_batch(self.cfg.train.batch_size)
         x = r.augment.train(r.train_split.images[:b].to(self.rt.device), 0, 0, torch.arange(b, device=self.rt.device))
@@ -111,30 +110,24 @@ class Trainer:
         for i in range(3 if r.fast.cudagraphs else 1):
             _ = self.forward_backward(x, y).item()
             r.model.zero_grad(set_to_none=True)  # the model's: with bf16 weights the optimizer holds only their masters
-            if clock:
-                clock.mark("compile_and_first_forward_backward" if i == 0 else "cuda_graph_recording")
+            clock.mark("compile_and_first_forward_backward" if i == 0 else "cuda_graph_recording")
         if r.masters is not None:
             r.masters.warm_up(r.optimizer)
-            if clock:
-                clock.mark("master_update_compile")
+            clock.mark("master_update_compile")
         with torch.no_grad():
             for k, v in r.model.state_dict().items():
                 v.copy_(saved[k])
-        if clock:
-            clock.mark("restore_after_warm_up")
+        clock.mark("restore_after_warm_up")
         self.first_step_s = time.perf_counter() - r.started_at
         cache_bytes = 0
         if r.compile_cache != "off" and self.rt.is_main:
             cache_bytes = compile_cache.seal(r.root, r.compile_key)  # what this start compiled or found, for the next one
-            if clock:
-                clock.mark("compile_cache_seal (after the first-step clock)")
+            clock.mark("compile_cache_seal (after the first-step clock)")
         if r.compile_cache != "off":
             r.say.line(f"compile cache {r.compile_key}: {r.compile_cache}" + (f"; sealed {cache_bytes / 2**20:.1f} MiB for restarts" if cache_bytes else ""))
-        startup = {}
-        if clock:
-            startup = {"startup_s": clock.phases, "compile_s": clock.compile_seconds() if r.fast.compile else {}}
         r.log.write({"event": "first_step", "seconds": round(self.first_step_s, 3), "compiled": r.fast.compile,
-                     "compile_cache": r.compile_cache, "compile_cache_bytes": cache_bytes, **startup})
+                     "compile_cache": r.compile_cache, "compile_cache_bytes": cache_bytes,
+                     "startup_s": clock.phases, "compile_s": clock.compile_seconds() if r.fast.compile else {}})
 
     def done_steps(self) -> bool:
         return 0 < self.cfg.train.max_steps <= self.state.step

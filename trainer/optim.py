@@ -134,6 +134,7 @@ class MasterWeights:
                 p.data = p.data.to(torch.bfloat16)
         self._master_of = {id(p): self.masters[n] for n, p in self.named}
         self._update = torch.compile(_sgd_on_masters, dynamic=False) if compiled else _sgd_on_masters
+        self._plan: list[tuple[int, list[torch.Tensor], list[torch.Tensor]]] = []
         self._lr: dict[int, torch.Tensor] = {}
 
     def optimized(self, p: torch.Tensor) -> torch.Tensor:
@@ -152,23 +153,27 @@ class MasterWeights:
             p.copy_(self.masters[n])
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Hook the master update onto ``optimizer.step()``; which masters sit in which param group
+        is worked out here, once, not every step."""
+        weight_of = {id(self.masters[n]): p for n, p in self.named}
+        self._plan = []  # (group index, masters, their bf16 weights)
+        for i, group in enumerate(optimizer.param_groups):
+            masters = [m for m in group["params"] if id(m) in weight_of]
+            if masters:
+                self._plan.append((i, masters, [weight_of[id(m)] for m in masters]))
+        self._lr = {i: torch.zeros((), device=masters[0].device) for i, masters, _ in self._plan}
         optimizer.register_step_post_hook(lambda opt, args, kwargs: self.step(opt))
 
     def _groups(self, optimizer: torch.optim.Optimizer, scratch: bool = False):
-        weight_of = {id(self.masters[n]): p for n, p in self.named}
-        for i, group in enumerate(optimizer.param_groups):
-            masters = [m for m in group["params"] if id(m) in weight_of]
-            if not masters:
-                continue
-            weights = [weight_of[id(m)] for m in masters]
+        for i, masters, weights in self._plan:
+            group = optimizer.param_groups[i]  # looked up each time: load_state_dict replaces the group dicts
             buffers = [self._buffer(optimizer, m) for m in masters] if group["momentum"] else [None] * len(masters)
-            lr = self._lr.setdefault(i, torch.zeros((), device=masters[0].device))
             if scratch:  # copies of the same shapes and layouts: what the compiled update is traced on
                 masters, weights, buffers = ([None if t is None else t.clone() for t in ts] for ts in (masters, weights, buffers))
                 grads = [torch.zeros_like(w) for w in weights]
             else:
                 grads = [w.grad for w in weights]
-            yield masters, weights, grads, buffers, lr, group
+            yield masters, weights, grads, buffers, self._lr[i], group
 
     @staticmethod
     def _buffer(optimizer: torch.optim.Optimizer, master: torch.Tensor) -> torch.Tensor:

@@ -44,9 +44,7 @@ class Fast:
         bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and rt.cuda)
         if cfg.train.param_dtype == "bf16" and not bf16:
             raise ConfigError("train.param_dtype=bf16 needs bf16 autocast, which auto turns on only on GPUs; set train.precision=bf16 or train.param_dtype=fp32")
-        o = cfg.optim
-        bf16_weights = cfg.train.param_dtype == "bf16" or (
-            cfg.train.param_dtype == "auto" and bf16 and rt.strategy in ("cpu", "single", "ddp") and o.name == "sgd" and not o.ema_every)
+        bf16_weights = cfg.train.param_dtype == "bf16" or (cfg.train.param_dtype == "auto" and bf16 and cfg.bf16_weights_problem(rt.strategy) is None)
         if cfg.model.compile and rt.strategy == "dp":
             raise ConfigError("model.compile=true does not work with train.strategy=dp; use model.compile=false (or auto) or train.strategy=ddp")
         return cls(
@@ -102,12 +100,12 @@ class Run:
     say: Progress
     resumed_from: Path | None
     started_at: float
+    startup: Startup
+    """Start-up phases so far; the warm-up adds its own and logs them with the first step."""
     compile_cache: str = "off"
     """What the start-up found in checkpoint.dir/compile-cache: off, none, damaged or 'warm (N files)'."""
     compile_key: str = ""
     masters: MasterWeights | None = None
-    startup: Startup | None = None
-    """Start-up phases so far; the warm-up adds its own and logs them with the first step."""
     """fp32 master weights behind bf16 working weights (train.param_dtype=bf16)."""
 
 
