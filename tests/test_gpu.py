@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT, env
+from test_optim import compare_update_in_backward
 from test_resume import check_resume
 
 GPUS = torch.cuda.device_count()
@@ -71,9 +72,12 @@ TWO_GPUS = {
     "ddp-sync-channels_last-fused-fp32-lookahead": ["train.strategy=ddp", "checkpoint.async_save=false", "model.channels_last=true", "train.precision=fp32",
                                                      "optim.ema_every=3", "model.compile=false"],
     "fsdp-async-foreach-bf16": ["train.strategy=fsdp", "checkpoint.async_save=true", "model.compile=false"],
-    # bf16 working weights: bf16 all-reduce, the compiled master update, CUDA graphs (compile_mode auto)
+    # bf16 working weights: bf16 all-reduce, CUDA graphs (compile_mode auto), the masters updated in
+    # DDP's hook on a side stream (dist.update_in_backward auto), or by the compiled update after backward
     "ddp-async-channels_last-bf16-weights-compiled": ["train.strategy=ddp", "checkpoint.async_save=true", "model.channels_last=true",
                                                       "train.param_dtype=bf16", "model.compile=true"],
+    "ddp-bf16-weights-compiled-update-after-backward": ["train.strategy=ddp", "checkpoint.async_save=false", "model.channels_last=true",
+                                                        "train.param_dtype=bf16", "model.compile=true", "dist.update_in_backward=false"],
 }
 
 
@@ -143,6 +147,13 @@ def recovery_s(ckpt: Path, since: float) -> float:
     after = [r["time"] for r in events(ckpt, "first_step") if r["time"] > since]
     assert after, "no training step after the fault"
     return round(after[0] - since, 1)
+
+
+@two_gpus
+def test_masters_updated_in_ddps_hook_on_two_gpus_match_the_update_after_backward(tmp_path):
+    """NCCL, CUDA graphs and the hook's side streams: a missing wait between the update and the
+    next forward, or an update racing the backward kernels that still read the weights, shows here."""
+    compare_update_in_backward(tmp_path, ["train.device=cuda", "model.compile=true", "optim.momentum=0.9"], gpu_env(CUDA_VISIBLE_DEVICES="0,1"))
 
 
 @pytest.fixture(scope="module")

@@ -108,3 +108,57 @@ def test_bf16_weights_are_refused_where_they_cannot_work():
     for override, fix in bad.items():
         with pytest.raises(ConfigError, match=fix):
             load_config(None, ["train.param_dtype=bf16", override])
+
+
+def compare_update_in_backward(tmp_path, extra: list[str], extra_env: dict | None = None) -> None:
+    """Two ranks (real torchrun) with dist.update_in_backward true and false: the masters (and
+    their momentum) must end where the update after backward ends them. Also run on two GPUs by
+    tests/test_gpu.py, where the hook's update runs on a side stream beside backward."""
+    import sys
+
+    from conftest import TINY, env, free_port, run
+
+    args = [*TINY, "train.strategy=ddp", "train.precision=bf16", "train.param_dtype=bf16", "model.channels_last=true",
+            "train.max_steps=12", "checkpoint.every_epochs=0", *extra]
+    values = {}
+    for mode in ("true", "false"):
+        out = tmp_path / f"{mode}.pt"
+        run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "tests/resume_probe.py", str(out), *args,
+             f"dist.update_in_backward={mode}", f"checkpoint.dir={tmp_path / mode}"], env=env(MASTER_PORT=str(free_port()), **(extra_env or {})), timeout=600)
+        values[mode] = torch.load(out, weights_only=False)["values"]
+    hook, after = values["true"], values["false"]
+    assert hook.keys() == after.keys() and any(k.endswith("momentum_buffer") for k in hook) == ("optim.momentum=0.0" not in extra)
+    for k, a in after.items():
+        b = hook[k]
+        assert a.dtype == b.dtype == torch.float32, k  # masters (and their momentum) in fp32
+        assert (a - b).norm() <= 1e-5 * a.norm(), f"{k}: {(a - b).norm() / a.norm():.2e} of its norm apart"
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_bf16_masters_updated_in_ddps_hook_match_the_update_after_backward(tmp_path, momentum):
+    """dist.update_in_backward: the masters updated bucket by bucket in DDP's hook, as each
+    all-reduce finishes, end where the update after backward ends them: channels-last conv weights
+    (whose bucket layout differs from what bucket.gradients() reports), linear weights, biases
+    (stepped by the optimizer), the lr schedule's warm-up, with and without momentum. Only float
+    rounding may differ (the mean is taken after the sum instead of before)."""
+    compare_update_in_backward(tmp_path, [f"optim.momentum={momentum}", "optim.nesterov=false"])
+
+
+def test_update_in_backward_is_refused_where_it_cannot_work():
+    from trainer.config import ConfigError
+    from trainer.dist import Runtime
+    from trainer.setup import Fast
+
+    with pytest.raises(ConfigError, match="dist.comm_hook=none"):
+        load_config(None, ["dist.update_in_backward=true", "dist.comm_hook=bf16"])
+    with pytest.raises(ConfigError, match="gradient_as_bucket_view=true"):
+        load_config(None, ["dist.update_in_backward=true", "dist.gradient_as_bucket_view=false"])
+    gpu = Runtime("ddp", 0, 0, 2, 2, torch.device("cuda", 0), "nccl")
+    with pytest.raises(ConfigError, match="train.param_dtype=bf16"):
+        Fast.resolve(load_config(None, ["dist.update_in_backward=true", "train.strategy=ddp"]), gpu)
+    # auto: on for bf16 weights under ddp on GPUs, off where the hook is taken or on the CPU
+    resolved = lambda rt, *o: Fast.resolve(load_config(None, ["train.strategy=ddp", "train.param_dtype=bf16", "train.precision=bf16", *o]), rt)  # noqa: E731
+    assert resolved(gpu).update_in_backward
+    assert not resolved(gpu, "dist.comm_hook=bf16").update_in_backward
+    assert not resolved(Runtime("ddp", 0, 0, 2, 2, torch.device("cpu"), "gloo")).update_in_backward
+    assert resolved(Runtime("ddp", 0, 0, 2, 2, torch.device("cpu"), "gloo"), "dist.update_in_backward=true").update_in_backward

@@ -191,6 +191,12 @@ class DistConfig:
     fewer graph launches per step, for small models whose step is bound by launch overhead).
     auto: split when the gradients fill more than SPLIT_BUCKETS buckets (seednet's 2.4 GB), not for
     ResNet-18's 45 MB, whose all-reduce takes a fraction of a millisecond after backward."""
+    update_in_backward: bool | None = None
+    """bf16 weights under ddp (train.param_dtype): update each gradient bucket's fp32 master
+    weights as soon as that bucket's all-reduce finishes, from DDP's communication hook on a side
+    stream, so the update (12-16 bytes of memory traffic per weight: 7-10 GB a step for seednet)
+    runs beside the rest of backward instead of after it (true); or in optimizer.step() after
+    backward (false). auto: true on GPUs. Needs dist.comm_hook=none and dist.gradient_as_bucket_view=true."""
     broadcast_buffers: bool = False
     """DDP: copy rank 0's buffers (batch-norm statistics) to every rank before each forward, as
     DDP itself does by default. Off here: it saves a broadcast and its host work per step. Running
@@ -286,7 +292,19 @@ class Config:
             raise ConfigError("checkpoint.dir must not be empty")
         if self.train.param_dtype == "bf16" and (problem := self.bf16_weights_problem(self.train.strategy)):
             raise ConfigError(problem)
+        if self.dist.update_in_backward and (problem := self.update_in_backward_problem()):
+            raise ConfigError(problem)
         return self
+
+    def update_in_backward_problem(self) -> str | None:
+        """Why DDP's hook cannot update the master weights per bucket with this config, or None.
+        dist.update_in_backward=true raises it; auto then updates after backward."""
+        d = self.dist
+        if d.comm_hook != "none":
+            return f"dist.update_in_backward=true replaces DDP's communication hook; set dist.comm_hook=none (not {d.comm_hook}) or dist.update_in_backward=false"
+        if not d.gradient_as_bucket_view:
+            return "dist.update_in_backward=true reads gradients in their buckets; set dist.gradient_as_bucket_view=true or dist.update_in_backward=false"
+        return None
 
     def bf16_weights_problem(self, strategy: str) -> str | None:
         """Why bf16 working weights cannot work with this config under ``strategy`` (a one-line

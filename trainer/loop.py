@@ -4,6 +4,7 @@ trainer/setup.py and handed in as a :class:`Run`."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -107,10 +108,11 @@ class Trainer:
         x = r.augment.train(r.train_split.images[:b].to(self.rt.device), 0, 0, torch.arange(b, device=self.rt.device))
         y = r.train_split.labels[:b].to(self.rt.device)
         r.net.train()
-        for i in range(3 if r.fast.cudagraphs else 1):
-            _ = self.forward_backward(x, y).item()
-            r.model.zero_grad(set_to_none=True)  # the model's: with bf16 weights the optimizer holds only their masters
-            clock.mark("compile_and_first_forward_backward" if i == 0 else "cuda_graph_recording")
+        with r.masters.paused() if r.masters is not None else contextlib.nullcontext():
+            for i in range(3 if r.fast.cudagraphs else 1):
+                _ = self.forward_backward(x, y).item()
+                r.model.zero_grad(set_to_none=True)  # the model's: with bf16 weights the optimizer holds only their masters
+                clock.mark("compile_and_first_forward_backward" if i == 0 else "cuda_graph_recording")
         if r.masters is not None:
             r.masters.warm_up(r.optimizer)
             clock.mark("master_update_compile")

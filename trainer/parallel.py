@@ -9,6 +9,7 @@ how it comes back).
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -32,9 +33,10 @@ class WithLoss(nn.Module):
         return self.criterion(self.model(x), y)
 
 
-def wrap(model: nn.Module, criterion: nn.Module, cfg: Config, rt: Runtime, compile_model: bool, bf16: bool, mode: str = "default") -> nn.Module:
+def wrap(model: nn.Module, criterion: nn.Module, cfg: Config, rt: Runtime, compile_model: bool, bf16: bool, mode: str = "default",
+         bucket_hook: Callable | None = None) -> nn.Module:
     """The module that training calls, ``net(images, labels) -> loss``; ``model`` itself stays
-    usable for evaluation."""
+    usable for evaluation. ``bucket_hook``: DDP's communication hook (MasterWeights.bucket_hook)."""
     if rt.strategy == "dp":
         # DataParallel copies the module to every GPU on every forward, from one process: the GIL
         # and the copies are why the article found it slow. Kept for comparison; never compiled.
@@ -53,7 +55,9 @@ def wrap(model: nn.Module, criterion: nn.Module, cfg: Config, rt: Runtime, compi
             net, device_ids=[rt.device.index] if rt.cuda else None, bucket_cap_mb=d.bucket_mb,
             gradient_as_bucket_view=d.gradient_as_bucket_view, static_graph=d.static_graph, **{sync: d.broadcast_buffers},
         )
-        if d.comm_hook != "none":
+        if bucket_hook is not None:
+            net.register_comm_hook(None, bucket_hook)
+        elif d.comm_hook != "none":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
             hook = default_hooks.bf16_compress_hook if d.comm_hook == "bf16" else default_hooks.fp16_compress_hook

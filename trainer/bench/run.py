@@ -16,8 +16,8 @@ trace (DDP variants: step time and how much of the all-reduce overlaps compute),
 seednet (our trainer: batch 64 and 256 per GPU, DDP and FSDP, the fast path on and off), stall
 (async against sync checkpoint), recipes (the speed recipe on real data), resnet18 (the
 default recipe on real data, all GPUs), resnet18-scaling (the default recipe on one GPU, then on all),
-seednet-weights (bf16 working weights against fp32 beside the article's DDP; --more: without CUDA graphs,
-batch 1024), resnet18-ddp-diagnosis (one GPU at two GPUs' per-GPU batch; a profile of two).
+seednet-weights (bf16 working weights, masters updated in DDP's hook against after backward, beside the
+article's DDP; batch 1024; --more: one GPU, fp32 weights, without CUDA graphs), resnet18-ddp-diagnosis (one GPU at two GPUs' per-GPU batch; a profile of two).
 """
 
 from __future__ import annotations
@@ -215,15 +215,19 @@ def suites(args, out: Path, tmp: Path, gpus: int) -> None:
         # beside the article's DDP loop of the same call
         if gpus > 1:
             run_case("article-ddp", cmd_for(gpus, "trainer.bench.article", ["--mode", "ddp"]), out, 600)
-        bf16w, plain_mode = ["train.param_dtype=bf16"], ["model.compile_mode=default"]
-        ours(out, tmp, "ours-single-b64-bf16w", 1, 64, bf16w)
+        # (bf16 weights under DDP update their masters in DDP's hook, bucket by bucket: -after is
+        # the update after backward, dist.update_in_backward=false, the same call's reference)
+        bf16w, plain_mode, after = ["train.param_dtype=bf16"], ["model.compile_mode=default"], ["dist.update_in_backward=false"]
         if gpus > 1:
-            ours(out, tmp, "ours-ddp-b64-fp32w", gpus, 64, ["train.param_dtype=fp32"])
+            ours(out, tmp, "ours-ddp-b64-bf16w-after", gpus, 64, [*bf16w, *after])
             ours(out, tmp, "ours-ddp-b64-bf16w", gpus, 64, bf16w)
+            ours(out, tmp, "ours-ddp-b512-bf16w-after", gpus, 512, [*bf16w, *after], steps=40)
             ours(out, tmp, "ours-ddp-b512-bf16w", gpus, 512, bf16w, steps=40)
-        if args.more:
-            ours(out, tmp, "ours-ddp-b64-bf16w-nographs", gpus, 64, [*bf16w, *plain_mode])
             ours(out, tmp, "ours-ddp-b1024-bf16w", gpus, 1024, bf16w, steps=30)
+        if args.more:
+            ours(out, tmp, "ours-single-b64-bf16w", 1, 64, bf16w)
+            ours(out, tmp, "ours-ddp-b64-fp32w", gpus, 64, ["train.param_dtype=fp32"])
+            ours(out, tmp, "ours-ddp-b64-bf16w-nographs", gpus, 64, [*bf16w, *plain_mode])
     if "resnet18-ddp-diagnosis" in chosen and gpus > 1:  # the same per-GPU batch on one GPU, and a profile of two
         recipe(out, tmp, "resnet18-1gpu-b256", 1, "configs/default.yaml", data, ["train.epochs=5", "train.batch_size=256"])
         recipe(out, tmp, f"resnet18-{gpus}gpu-profile", gpus, "configs/default.yaml", data, ["train.epochs=3", "profile.steps=10", "profile.skip=150"])
@@ -288,7 +292,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--data", default="", help="CIFAR-10 image folders or tarballs for the recipes (default ../shared/data)")
     p.add_argument("--resnet-epochs", type=int, default=30)
     p.add_argument("--resnet-ab-epochs", type=int, default=5, help="epochs of each resnet18-compile run")
-    p.add_argument("--more", action="store_true", help="seednet-weights: also without CUDA graphs, and batch 1024 per GPU")
+    p.add_argument("--more", action="store_true", help="seednet-weights: also one GPU, fp32 weights, and no CUDA graphs")
     p.add_argument("--seeds", type=lambda v: [int(x) for x in v.split(",")], default=[1, 2, 3], help="seeds of the seeds suite, e.g. 4,5,6")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
