@@ -103,3 +103,23 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(f"{case.ljust(width)}  {n:>6}  {ok:>6}")
     total, passed = sum(n for _, n, _ in FAULT_RESULTS), sum(ok for _, _, ok in FAULT_RESULTS)
     terminalreporter.write_line(f"{'total'.ljust(width)}  {total:>6}  {passed:>6}")
+
+
+def same_training(tmp_path: Path, args: list[str], option: str, extra_env: dict | None = None, nproc: int = 2, rtol: float = 1e-5) -> None:
+    """Train twice under real torchrun (tests/resume_probe.py), with ``option``=true and =false:
+    every saved tensor (weights or fp32 masters, optimizer state) must end the same up to float
+    rounding: ``rtol`` of its norm (1e-5 for fp32 arithmetic in another order; bf16 gradients
+    rounded in another place need more). A wrong scale, layout or missed update is 1e-2 and more."""
+    values = {}
+    for mode in ("true", "false"):
+        out = tmp_path / f"{mode}.pt"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "tests/resume_probe.py", str(out),
+               *args, f"{option}={mode}", f"checkpoint.dir={tmp_path / mode}"]
+        run(cmd, env=env(MASTER_PORT=str(free_port()), **(extra_env or {})), timeout=600)
+        values[mode] = torch.load(out, weights_only=False)["values"]
+    on, off = values["true"], values["false"]
+    assert on.keys() == off.keys() and on
+    for k, a in off.items():
+        b = on[k]
+        assert a.dtype == b.dtype, k
+        assert (a.double() - b.double()).norm() <= rtol * a.double().norm(), f"{k}: {(a.double() - b.double()).norm() / a.double().norm():.2e} of its norm apart"

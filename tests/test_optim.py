@@ -7,6 +7,10 @@ from torch import nn
 from trainer.config import load_config
 from trainer.optim import Lookahead, build_optimizer, lr_factor, param_groups
 
+# two ranks, bf16 weights with fp32 masters, channels-last convs, 12 steps (the lr warm-up included)
+BF16_DDP = ["train.strategy=ddp", "train.precision=bf16", "train.param_dtype=bf16", "model.channels_last=true", "train.max_steps=12",
+            "checkpoint.every_epochs=0"]
+
 
 def test_biases_learn_faster_with_the_same_decay_per_step():
     cfg = load_config(None, ["optim.lr=0.5", "optim.weight_decay=0.01", "optim.bias_lr_scale=8"])
@@ -110,30 +114,6 @@ def test_bf16_weights_are_refused_where_they_cannot_work():
             load_config(None, ["train.param_dtype=bf16", override])
 
 
-def compare_update_in_backward(tmp_path, extra: list[str], extra_env: dict | None = None) -> None:
-    """Two ranks (real torchrun) with dist.update_in_backward true and false: the masters (and
-    their momentum) must end where the update after backward ends them. Also run on two GPUs by
-    tests/test_gpu.py, where the hook's update runs on a side stream beside backward."""
-    import sys
-
-    from conftest import TINY, env, free_port, run
-
-    args = [*TINY, "train.strategy=ddp", "train.precision=bf16", "train.param_dtype=bf16", "model.channels_last=true",
-            "train.max_steps=12", "checkpoint.every_epochs=0", *extra]
-    values = {}
-    for mode in ("true", "false"):
-        out = tmp_path / f"{mode}.pt"
-        run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "tests/resume_probe.py", str(out), *args,
-             f"dist.update_in_backward={mode}", f"checkpoint.dir={tmp_path / mode}"], env=env(MASTER_PORT=str(free_port()), **(extra_env or {})), timeout=600)
-        values[mode] = torch.load(out, weights_only=False)["values"]
-    hook, after = values["true"], values["false"]
-    assert hook.keys() == after.keys() and any(k.endswith("momentum_buffer") for k in hook) == ("optim.momentum=0.0" not in extra)
-    for k, a in after.items():
-        b = hook[k]
-        assert a.dtype == b.dtype == torch.float32, k  # masters (and their momentum) in fp32
-        assert (a - b).norm() <= 1e-5 * a.norm(), f"{k}: {(a - b).norm() / a.norm():.2e} of its norm apart"
-
-
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 def test_bf16_masters_updated_in_ddps_hook_match_the_update_after_backward(tmp_path, momentum):
     """dist.update_in_backward: the masters updated bucket by bucket in DDP's hook, as each
@@ -141,7 +121,9 @@ def test_bf16_masters_updated_in_ddps_hook_match_the_update_after_backward(tmp_p
     (whose bucket layout differs from what bucket.gradients() reports), linear weights, biases
     (stepped by the optimizer), the lr schedule's warm-up, with and without momentum. Only float
     rounding may differ (the mean is taken after the sum instead of before)."""
-    compare_update_in_backward(tmp_path, [f"optim.momentum={momentum}", "optim.nesterov=false"])
+    from conftest import TINY, same_training
+
+    same_training(tmp_path, [*TINY, *BF16_DDP, f"optim.momentum={momentum}", "optim.nesterov=false"], "dist.update_in_backward")
 
 
 def test_update_in_backward_is_refused_where_it_cannot_work():

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -41,3 +42,33 @@ def test_compiled_ddp_splits_its_graph_only_for_large_gradients():
         assert not parallel.split_at_buckets(models.build("resnet18"), None, 25)
         assert parallel.split_at_buckets(models.build("resnet18"), None, 1)  # 45 MB is many 1 MB buckets
         assert parallel.split_at_buckets(models.build("tinynet"), True, 25) and not parallel.split_at_buckets(models.build("seednet"), False, 25)
+
+
+def test_linear_layers_gather_factors_only_where_that_sends_fewer_values():
+    from trainer.models import build
+    from trainer.parallel import GatheredFactorsLinear, gather_linear_factors
+
+    with torch.device("meta"):  # seednet's shapes without its 2.4 GB
+        net = build("seednet")
+    # the first Linear (65,536 x 5,000): 9.0 M values as factors at a global batch of 128, 328 M as a gradient
+    assert gather_linear_factors(net, global_batch=128, world=2) == ["1.1"]
+    assert isinstance(net[1][1], GatheredFactorsLinear) and net[1][1].world == 2 and type(net[1][2]) is torch.nn.Linear
+    assert gather_linear_factors(build("tinynet"), global_batch=32, world=2) == []  # 2,048 x 10: the gradient is smaller
+    assert gather_linear_factors(build("tinynet"), global_batch=32, world=2, force=True) == ["10"]
+
+
+@pytest.mark.parametrize("overrides, rtol", [
+    (["optim.momentum=0.9"], 1e-5),  # fp32: the same sums in another order
+    # bf16 weights: every other weight's master updated in DDP's hook, the gathered layer's after
+    # backward. Its bf16 gradient is rounded once (after the sum) instead of per rank: some bf16
+    # weights round the other way, and 12 steps later the momentum differs by about 1% (a gradient
+    # taken twice, or not averaged, is 50-100%)
+    (["train.precision=bf16", "train.param_dtype=bf16", "dist.update_in_backward=true", "optim.momentum=0.9"], 5e-2),
+], ids=["fp32", "bf16-weights-hook"])
+def test_linear_gradients_from_gathered_factors_match_ddps_all_reduce(tmp_path, overrides, rtol):
+    """dist.gather_linear_factors=true (every Linear) against DDP's all-reduce, two ranks (gloo):
+    the same training up to float rounding, forward and backward through channels-last convs."""
+    from conftest import TINY, same_training
+
+    same_training(tmp_path, [*TINY, "train.strategy=ddp", "model.channels_last=true", "train.max_steps=12", "checkpoint.every_epochs=0", *overrides],
+                  "dist.gather_linear_factors", rtol=rtol)

@@ -159,6 +159,7 @@ class MasterWeights:
         self._lr: dict[int, torch.Tensor] = {}
         self._optimizer: torch.optim.Optimizer | None = None
         self._slot: dict[int, tuple[int, torch.Tensor]] = {}  # id(weight) -> (param group, master)
+        self._done: set[int] = set()  # weights the hook updated this step
         self.in_backward = False
         """Updated per bucket by DDP's hook (bucket_hook), not by optimizer.step()."""
         self.live = True
@@ -236,6 +237,7 @@ class MasterWeights:
                 others.append(g)
                 continue
             i, master = slot
+            self._done.add(id(p))
             group = opt.param_groups[i]
             buf = opt.state[master]["momentum_buffer"] if group["momentum"] else None
             _sgd_on_master_eager(master, p, g, buf, group["lr"], scale, group["momentum"], group["weight_decay"], group["nesterov"])
@@ -271,10 +273,15 @@ class MasterWeights:
 
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer) -> None:
-        if self.in_backward:  # DDP's hook has updated them during backward
-            for _, _, weights in self._plan:
-                for w in weights:
+        if self.in_backward:  # DDP's hook has updated them during backward, all but those DDP leaves alone
+            for i, masters, weights in self._plan:
+                group = optimizer.param_groups[i]
+                for m, w in zip(masters, weights, strict=True):
+                    if id(w) not in self._done and w.grad is not None:  # e.g. dist.gather_linear_factors' weights
+                        buf = optimizer.state[m]["momentum_buffer"] if group["momentum"] else None
+                        _sgd_on_master_eager(m, w, w.grad, buf, group["lr"], 1.0, group["momentum"], group["weight_decay"], group["nesterov"])
                     w.grad = None
+            self._done.clear()
             return
         for masters, weights, grads, buffers, lr, group in self._groups(optimizer):
             if any(g is None for g in grads):

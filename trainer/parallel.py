@@ -49,6 +49,10 @@ def wrap(model: nn.Module, criterion: nn.Module, cfg: Config, rt: Runtime, compi
     if rt.strategy == "ddp":
         d = cfg.dist
         ddp = nn.parallel.DistributedDataParallel
+        if d.gather_linear_factors is not False and rt.world_size > 1:
+            gathered = gather_linear_factors(model, cfg.train.batch_size, rt.world_size, force=bool(d.gather_linear_factors))
+            # DDP leaves these weights alone: their gradients arrive already summed over the ranks
+            ddp._set_params_and_buffers_to_ignore_for_model(net, [f"model.{n}.{k}" for n in gathered for k in ("weight", "bias")])
         # torch 2.14 renamed the per-forward buffer broadcast (the old name warns); 2.11 has only the old one
         sync = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(ddp.__init__).parameters else "broadcast_buffers"
         net = ddp(
@@ -69,6 +73,59 @@ def wrap(model: nn.Module, criterion: nn.Module, cfg: Config, rt: Runtime, compi
         torch._dynamo.config.optimize_ddp = split_at_buckets(model, d.split_graph_at_buckets, d.bucket_mb)
         return torch.compile(net, mode=mode) if compile_model else net
     return torch.compile(net, mode=mode) if compile_model else net
+
+
+class _LinearWithGatheredFactors(torch.autograd.Function):
+    """y = x W^T + b, whose weight gradient over the whole job, sum over ranks r of dy_r^T x_r,
+    each rank forms from every rank's x (all-gathered during forward, while the rest of the
+    forward runs) and dy (all-gathered in backward): (in + out) x batch values on the wire."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, world):
+        y = torch.nn.functional.linear(x, weight, bias)  # under autocast: bf16 x, W and y
+        flat = x.to(y.dtype).reshape(-1, x.shape[-1]).contiguous()
+        xs = flat.new_empty((world * flat.shape[0], flat.shape[1]))
+        ctx.work = torch.distributed.all_gather_into_tensor(xs, flat, async_op=True)
+        ctx.xs = xs  # not save_for_backward: the gather writes it after this returns
+        ctx.save_for_backward(weight)
+        ctx.world, ctx.x_shape, ctx.x_dtype, ctx.has_bias = world, x.shape, x.dtype, bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (weight,), xs = ctx.saved_tensors, ctx.xs
+        d = dy.to(xs.dtype).reshape(-1, dy.shape[-1]).contiguous()
+        dx = (d @ weight.to(d.dtype)).reshape(ctx.x_shape).to(ctx.x_dtype)
+        dys = d.new_empty((ctx.world * d.shape[0], d.shape[1]))
+        torch.distributed.all_gather_into_tensor(dys, d)  # the compute stream waits for it; the host does not
+        ctx.work.wait()
+        dw = (dys.t() @ xs).div_(ctx.world).to(weight.dtype)  # the mean over the ranks, as DDP's
+        db = dys.sum(0).div_(ctx.world) if ctx.has_bias else None
+        return dx, dw, db, None
+
+
+class GatheredFactorsLinear(nn.Linear):
+    """nn.Linear whose training steps use _LinearWithGatheredFactors (dist.gather_linear_factors);
+    same parameters and state dict. Eager, outside the compiled graphs: two small collectives."""
+
+    world = 1
+
+    @torch.compiler.disable
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not (self.training and torch.is_grad_enabled()):  # evaluation: no collectives (rank 0 may evaluate alone)
+            return super().forward(x)
+        return _LinearWithGatheredFactors.apply(x, self.weight, self.bias, self.world)
+
+
+def gather_linear_factors(model: nn.Module, global_batch: int, world: int, force: bool = False) -> list[str]:
+    """Turn the Linear layers that send fewer values as factors than as a gradient (all of them
+    when ``force``) into GatheredFactorsLinear; returns their names."""
+    names = []
+    for name, m in model.named_modules():
+        if type(m) is nn.Linear and (force or m.in_features * m.out_features > (m.in_features + m.out_features) * global_batch):
+            m.__class__, m.world = GatheredFactorsLinear, world
+            names.append(name)
+    return names
 
 
 SPLIT_BUCKETS = 4

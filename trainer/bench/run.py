@@ -215,15 +215,21 @@ def suites(args, out: Path, tmp: Path, gpus: int) -> None:
         # beside the article's DDP loop of the same call
         if gpus > 1:
             run_case("article-ddp", cmd_for(gpus, "trainer.bench.article", ["--mode", "ddp"]), out, 600)
-        # (bf16 weights under DDP update their masters in DDP's hook, bucket by bucket: -after is
-        # the update after backward, dist.update_in_backward=false, the same call's reference)
-        bf16w, plain_mode, after = ["train.param_dtype=bf16"], ["model.compile_mode=default"], ["dist.update_in_backward=false"]
+        # bf16 weights under DDP, each way of moving their gradients (explicit, whatever the defaults):
+        # -after: masters updated after backward, DDP all-reduces every gradient (the fifth session's);
+        # -hook: masters updated per bucket in DDP's hook (dist.update_in_backward); -gather: the first
+        # Linear's gradient from all-gathered factors (dist.gather_linear_factors)
+        bf16w, plain_mode = ["train.param_dtype=bf16"], ["model.compile_mode=default"]
+        ways = {"after": ["dist.update_in_backward=false", "dist.gather_linear_factors=false"],
+                "hook": ["dist.update_in_backward=true", "dist.gather_linear_factors=false"],
+                "gather": ["dist.update_in_backward=false", "dist.gather_linear_factors=auto"],
+                "hook-gather": ["dist.update_in_backward=true", "dist.gather_linear_factors=auto"]}
         if gpus > 1:
-            ours(out, tmp, "ours-ddp-b64-bf16w-after", gpus, 64, [*bf16w, *after])
-            ours(out, tmp, "ours-ddp-b64-bf16w", gpus, 64, bf16w)
-            ours(out, tmp, "ours-ddp-b512-bf16w-after", gpus, 512, [*bf16w, *after], steps=40)
-            ours(out, tmp, "ours-ddp-b512-bf16w", gpus, 512, bf16w, steps=40)
-            ours(out, tmp, "ours-ddp-b1024-bf16w", gpus, 1024, bf16w, steps=30)
+            for way, extra in ways.items():
+                ours(out, tmp, f"ours-ddp-b64-bf16w-{way}", gpus, 64, [*bf16w, *extra])
+            for way in ("after", "gather"):
+                ours(out, tmp, f"ours-ddp-b512-bf16w-{way}", gpus, 512, [*bf16w, *ways[way]], steps=40)
+            ours(out, tmp, "ours-ddp-b1024-bf16w-gather", gpus, 1024, [*bf16w, *ways["gather"]], steps=30)
         if args.more:
             ours(out, tmp, "ours-single-b64-bf16w", 1, 64, bf16w)
             ours(out, tmp, "ours-ddp-b64-fp32w", gpus, 64, ["train.param_dtype=fp32"])
