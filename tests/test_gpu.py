@@ -72,12 +72,14 @@ TWO_GPUS = {
     "ddp-sync-channels_last-fused-fp32-lookahead": ["train.strategy=ddp", "checkpoint.async_save=false", "model.channels_last=true", "train.precision=fp32",
                                                      "optim.ema_every=3", "model.compile=false"],
     "fsdp-async-foreach-bf16": ["train.strategy=fsdp", "checkpoint.async_save=true", "model.compile=false"],
-    # bf16 working weights: bf16 all-reduce, CUDA graphs (compile_mode auto), the masters updated in
-    # DDP's hook on a side stream (dist.update_in_backward auto), or by the compiled update after backward
+    # bf16 working weights: bf16 all-reduce, CUDA graphs (compile_mode auto), the compiled master
+    # update after backward; or the masters updated in DDP's hook on a side stream, and the Linear
+    # layer's gradient from all-gathered factors (eager, between the compiled pieces)
     "ddp-async-channels_last-bf16-weights-compiled": ["train.strategy=ddp", "checkpoint.async_save=true", "model.channels_last=true",
                                                       "train.param_dtype=bf16", "model.compile=true"],
-    "ddp-bf16-weights-compiled-update-after-backward": ["train.strategy=ddp", "checkpoint.async_save=false", "model.channels_last=true",
-                                                        "train.param_dtype=bf16", "model.compile=true", "dist.update_in_backward=false"],
+    "ddp-bf16-weights-compiled-hook-gathered": ["train.strategy=ddp", "checkpoint.async_save=false", "model.channels_last=true",
+                                                "train.param_dtype=bf16", "model.compile=true", "dist.update_in_backward=true",
+                                                "dist.gather_linear_factors=true"],
 }
 
 

@@ -138,9 +138,5 @@ def test_update_in_backward_is_refused_where_it_cannot_work():
     gpu = Runtime("ddp", 0, 0, 2, 2, torch.device("cuda", 0), "nccl")
     with pytest.raises(ConfigError, match="train.param_dtype=bf16"):
         Fast.resolve(load_config(None, ["dist.update_in_backward=true", "train.strategy=ddp"]), gpu)
-    # auto: on for bf16 weights under ddp on GPUs, off where the hook is taken or on the CPU
-    resolved = lambda rt, *o: Fast.resolve(load_config(None, ["train.strategy=ddp", "train.param_dtype=bf16", "train.precision=bf16", *o]), rt)  # noqa: E731
-    assert resolved(gpu).update_in_backward
-    assert not resolved(gpu, "dist.comm_hook=bf16").update_in_backward
-    assert not resolved(Runtime("ddp", 0, 0, 2, 2, torch.device("cpu"), "gloo")).update_in_backward
-    assert resolved(Runtime("ddp", 0, 0, 2, 2, torch.device("cpu"), "gloo"), "dist.update_in_backward=true").update_in_backward
+    bf16_ddp = load_config(None, ["train.strategy=ddp", "train.param_dtype=bf16", "train.precision=bf16"])
+    assert not Fast.resolve(bf16_ddp, gpu).update_in_backward  # off unless asked for (measured no faster)

@@ -53,6 +53,8 @@ def test_linear_layers_gather_factors_only_where_that_sends_fewer_values():
     # the first Linear (65,536 x 5,000): 9.0 M values as factors at a global batch of 128, 328 M as a gradient
     assert gather_linear_factors(net, global_batch=128, world=2) == ["1.1"]
     assert isinstance(net[1][1], GatheredFactorsLinear) and net[1][1].world == 2 and type(net[1][2]) is torch.nn.Linear
+    with torch.device("meta"):
+        assert gather_linear_factors(build("seednet"), global_batch=1024, world=2) == []  # 72 M against 328 M: not worth the break
     assert gather_linear_factors(build("tinynet"), global_batch=32, world=2) == []  # 2,048 x 10: the gradient is smaller
     assert gather_linear_factors(build("tinynet"), global_batch=32, world=2, force=True) == ["10"]
 

@@ -98,8 +98,9 @@ def test_resume_is_exact_one_process_more(tmp_path, case):
     ("ddp", ["checkpoint.async_save=false", "model.channels_last=true", "optim.ema_every=3"]),
     ("fsdp", ["checkpoint.async_save=true"]),
     ("ddp", ["checkpoint.async_save=true", "model.channels_last=true", "train.precision=bf16", "train.param_dtype=bf16"]),  # bf16 all-reduce
-    # the masters updated in DDP's hook, bucket by bucket (on GPUs the default for bf16 weights)
-    ("ddp", ["checkpoint.async_save=true", "model.channels_last=true", "train.precision=bf16", "train.param_dtype=bf16", "dist.update_in_backward=true"]),
+    # the masters updated in DDP's hook, bucket by bucket; the Linear's gradient from gathered factors
+    ("ddp", ["checkpoint.async_save=true", "model.channels_last=true", "train.precision=bf16", "train.param_dtype=bf16", "dist.update_in_backward=true",
+             "dist.gather_linear_factors=true"]),
 ])
 def test_resume_is_exact_two_ranks(tmp_path, strategy, overrides):
     check_resume(tmp_path, [f"train.strategy={strategy}", *overrides], nproc=2)

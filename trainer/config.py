@@ -193,17 +193,19 @@ class DistConfig:
     ResNet-18's 45 MB, whose all-reduce takes a fraction of a millisecond after backward."""
     gather_linear_factors: bool | None = None
     """ddp: a Linear layer's weight gradient is a sum over the batch of (output gradient) x (input)
-    products, so when the weight has more entries than (in + out) x the global batch, every rank
-    all-gathers the layer's inputs and output gradients ((in + out) x batch values) and forms the
-    summed gradient itself, instead of all-reducing the gradient (in x out values). seednet's
-    first Linear (65,536 x 5,000) then sends 9 M values instead of 328 M at batch 64 per GPU.
-    auto: on for the layers where it sends fewer values. The same gradient up to float rounding."""
-    update_in_backward: bool | None = None
+    products, so every rank can all-gather the layer's inputs and output gradients ((in + out) x
+    batch values) and form the summed gradient itself, instead of all-reducing it (in x out
+    values). It costs a graph break and the other ranks' share of the weight-gradient product.
+    auto: on for the layers where it sends FACTOR_RATIO (16) times fewer values: seednet's first
+    Linear (65,536 x 5,000) at batch 64 per GPU on two GPUs (9 M values instead of 328 M: +7.6%
+    images/s on 2 H200s), not at 512 per GPU (4.5x fewer: -3%). The same gradient up to rounding."""
+    update_in_backward: bool = False
     """bf16 weights under ddp (train.param_dtype): update each gradient bucket's fp32 master
     weights as soon as that bucket's all-reduce finishes, from DDP's communication hook on a side
-    stream, so the update (12-16 bytes of memory traffic per weight: 7-10 GB a step for seednet)
-    runs beside the rest of backward instead of after it (true); or in optimizer.step() after
-    backward (false). auto: true on GPUs. Needs dist.comm_hook=none and dist.gradient_as_bucket_view=true."""
+    stream, beside the rest of backward, instead of in optimizer.step() after backward. Off: on 2
+    H200s it bought nothing for seednet alone (7,535 against 7,538 images/s) and cost 7% beside
+    dist.gather_linear_factors (BENCHMARKS.md). Needs dist.comm_hook=none and
+    dist.gradient_as_bucket_view=true."""
     broadcast_buffers: bool = False
     """DDP: copy rank 0's buffers (batch-norm statistics) to every rank before each forward, as
     DDP itself does by default. Off here: it saves a broadcast and its host work per step. Running
@@ -304,8 +306,7 @@ class Config:
         return self
 
     def update_in_backward_problem(self) -> str | None:
-        """Why DDP's hook cannot update the master weights per bucket with this config, or None.
-        dist.update_in_backward=true raises it; auto then updates after backward."""
+        """Why DDP's hook cannot update the master weights per bucket with this config, or None."""
         d = self.dist
         if d.comm_hook != "none":
             return f"dist.update_in_backward=true replaces DDP's communication hook; set dist.comm_hook=none (not {d.comm_hook}) or dist.update_in_backward=false"

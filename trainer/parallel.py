@@ -117,12 +117,15 @@ class GatheredFactorsLinear(nn.Linear):
         return _LinearWithGatheredFactors.apply(x, self.weight, self.bias, self.world)
 
 
+FACTOR_RATIO = 16
+
+
 def gather_linear_factors(model: nn.Module, global_batch: int, world: int, force: bool = False) -> list[str]:
-    """Turn the Linear layers that send fewer values as factors than as a gradient (all of them
-    when ``force``) into GatheredFactorsLinear; returns their names."""
+    """Turn the Linear layers whose factors are FACTOR_RATIO times fewer values than their
+    gradient (all of them when ``force``) into GatheredFactorsLinear; returns their names."""
     names = []
     for name, m in model.named_modules():
-        if type(m) is nn.Linear and (force or m.in_features * m.out_features > (m.in_features + m.out_features) * global_batch):
+        if type(m) is nn.Linear and (force or m.in_features * m.out_features >= FACTOR_RATIO * (m.in_features + m.out_features) * global_batch):
             m.__class__, m.world = GatheredFactorsLinear, world
             names.append(name)
     return names

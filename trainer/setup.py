@@ -35,7 +35,7 @@ class Fast:
     compile_mode: str = "default"
     """model.compile_mode with auto resolved (see ModelConfig.compile_mode)."""
     update_in_backward: bool = False
-    """dist.update_in_backward resolved: bf16 masters updated per bucket in DDP's hook."""
+    """dist.update_in_backward: bf16 masters updated per bucket in DDP's hook."""
 
     @classmethod
     def resolve(cls, cfg: Config, rt: Runtime) -> Fast:
@@ -47,12 +47,9 @@ class Fast:
         if cfg.train.param_dtype == "bf16" and not bf16:
             raise ConfigError("train.param_dtype=bf16 needs bf16 autocast, which auto turns on only on GPUs; set train.precision=bf16 or train.param_dtype=fp32")
         bf16_weights = cfg.train.param_dtype == "bf16" or (cfg.train.param_dtype == "auto" and bf16 and cfg.bf16_weights_problem(rt.strategy) is None)
-        per_bucket = cfg.dist.update_in_backward
-        if per_bucket and not (bf16_weights and rt.strategy == "ddp"):
+        if cfg.dist.update_in_backward and not (bf16_weights and rt.strategy == "ddp"):
             raise ConfigError("dist.update_in_backward=true needs bf16 weights under ddp; set train.param_dtype=bf16 and train.strategy=ddp, "
-                              "or dist.update_in_backward=auto")
-        if per_bucket is None:
-            per_bucket = rt.cuda and cfg.update_in_backward_problem() is None
+                              "or dist.update_in_backward=false")
         if cfg.model.compile and rt.strategy == "dp":
             raise ConfigError("model.compile=true does not work with train.strategy=dp; use model.compile=false (or auto) or train.strategy=ddp")
         return cls(
@@ -63,7 +60,7 @@ class Fast:
             device_resident=cfg.data.device_resident,
             async_save=auto(cfg.checkpoint.async_save),
             compile_mode=resolve_compile_mode(cfg.model.compile_mode, rt.strategy, rt.cuda),
-            update_in_backward=per_bucket and bf16_weights and rt.strategy == "ddp",
+            update_in_backward=cfg.dist.update_in_backward,
         )
 
     @property
