@@ -241,9 +241,7 @@ def test_a_hung_rank_is_detected_and_the_restart_finishes(tmp_path, reference):
 # report; the speed target is BENCHMARKS.md's business, this checks that the cache loads and the
 # restarted run trains on from it.
 
-SHIPPED = ["configs/default.yaml", "configs/fast.yaml", pytest.param("configs/seed.yaml", marks=pytest.mark.xfail(strict=True, reason=(
-    "known: on 1 H200 (2026-12-01, 2c9caf1) seed.yaml's warm start compiled one forward graph again (fx_codegen_and_compile 0.62 s "
-    "of a 19.1 s start; 43.7 s cold); not reproduced on the CPU; see RELIABILITY.md")))]
+SHIPPED = ["configs/default.yaml", "configs/fast.yaml", "configs/seed.yaml"]
 
 
 @pytest.mark.parametrize("config", SHIPPED)

@@ -257,8 +257,11 @@ class MasterWeights:
         for i, masters, weights in self._plan:
             group = optimizer.param_groups[i]  # looked up each time: load_state_dict replaces the group dicts
             buffers = [self._buffer(optimizer, m) for m in masters] if group["momentum"] else [None] * len(masters)
-            if scratch:  # copies of the same shapes and layouts: what the compiled update is traced on
-                masters, weights, buffers = ([None if t is None else t.clone() for t in ts] for ts in (masters, weights, buffers))
+            if scratch:  # copies of the same shapes, layouts and types: what the compiled update is traced on
+                masters, buffers = ([None if t is None else t.clone() for t in ts] for ts in (masters, buffers))
+                # Parameters, as the real weights are: traced on plain tensors, the first real step
+                # failed the guard and compiled again, after the first-step clock and the cache's seal
+                weights = [nn.Parameter(w.detach().clone(), requires_grad=w.requires_grad) for w in weights]
                 grads = [torch.zeros_like(w) for w in weights]
             else:
                 grads = [w.grad for w in weights]
