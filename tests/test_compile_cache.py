@@ -85,6 +85,15 @@ def test_use_points_torchs_caches_at_the_keys_folder(tmp_path, monkeypatch):
     assert cache_dir() == str((d / "inductor").resolve())  # what inductor itself will use
 
 
+def test_importing_the_trainer_leaves_the_nodes_inductor_folder_alone(tmp_path):
+    # importing torch._dynamo creates TORCHINDUCTOR_CACHE_DIR: before compile_cache.use has pointed
+    # it at the volume, that folder is the node's own
+    local = tmp_path / "node" / "inductor"
+    p = run([sys.executable, "-c", "import trainer.cli, trainer.loop, trainer.parallel, trainer.setup, trainer.optim"],
+            env=env(TORCHINDUCTOR_CACHE_DIR=str(local)), timeout=120)
+    assert p.returncode == 0 and not local.exists(), p.stdout[-2000:]
+
+
 def test_seal_keeps_the_newest_keys(tmp_path):
     for i in range(compile_cache.KEEP + 1):  # older caches, oldest first
         fill(tmp_path, f"old{i}", {"inductor/e": b"x"})

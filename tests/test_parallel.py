@@ -59,6 +59,28 @@ def test_linear_layers_gather_factors_only_where_that_sends_fewer_values():
     assert gather_linear_factors(build("tinynet"), global_batch=32, world=2, force=True) == ["10"]
 
 
+def test_a_gathered_linear_stays_out_of_the_compiled_graphs():
+    from trainer.models import build
+    from trainer.parallel import gather_linear_factors
+
+    def linears_compiled(net) -> int:
+        found = []
+
+        def backend(gm, example_inputs):
+            found.extend(n for n in gm.graph.nodes if n.op == "call_function" and "linear" in str(n.target))
+            return gm.forward
+
+        torch._dynamo.reset()
+        torch.compile(net.eval(), backend=backend)(torch.zeros(2, 3, 32, 32))
+        return len(found)
+
+    torch.manual_seed(0)
+    assert linears_compiled(build("tinynet")) == 1
+    net = build("tinynet")
+    gather_linear_factors(net, global_batch=32, world=2, force=True)
+    assert linears_compiled(net) == 0  # its collectives run eagerly, between the graphs
+
+
 @pytest.mark.parametrize("overrides, rtol", [
     (["optim.momentum=0.9"], 1e-5),  # fp32: the same sums in another order
     # bf16 weights: every other weight's master updated in DDP's hook, the gathered layer's after

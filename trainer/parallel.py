@@ -106,11 +106,13 @@ class _LinearWithGatheredFactors(torch.autograd.Function):
 
 class GatheredFactorsLinear(nn.Linear):
     """nn.Linear whose training steps use _LinearWithGatheredFactors (dist.gather_linear_factors);
-    same parameters and state dict. Eager, outside the compiled graphs: two small collectives."""
+    same parameters and state dict. Eager, outside the compiled graphs: two small collectives
+    (gather_linear_factors wraps forward in torch.compiler.disable at first use, not at import:
+    importing torch._dynamo creates the default inductor cache folder on the node, before
+    compile_cache has pointed it at the volume)."""
 
     world = 1
 
-    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not (self.training and torch.is_grad_enabled()):  # evaluation: no collectives (rank 0 may evaluate alone)
             return super().forward(x)
@@ -123,12 +125,19 @@ FACTOR_RATIO = 16
 def gather_linear_factors(model: nn.Module, global_batch: int, world: int, force: bool = False) -> list[str]:
     """Turn the Linear layers whose factors are FACTOR_RATIO times fewer values than their
     gradient (all of them when ``force``) into GatheredFactorsLinear; returns their names."""
+    global _outside_graphs
     names = []
     for name, m in model.named_modules():
         if type(m) is nn.Linear and (force or m.in_features * m.out_features >= FACTOR_RATIO * (m.in_features + m.out_features) * global_batch):
             m.__class__, m.world = GatheredFactorsLinear, world
             names.append(name)
+    if names and not _outside_graphs:
+        GatheredFactorsLinear.forward = torch.compiler.disable(GatheredFactorsLinear.forward)
+        _outside_graphs = True
     return names
+
+
+_outside_graphs = False  # GatheredFactorsLinear.forward is wrapped in torch.compiler.disable
 
 
 SPLIT_BUCKETS = 4
