@@ -22,6 +22,11 @@ TINY = [
     "train.deterministic=true",
 ]
 
+# two ranks under DDP, channels-last convs, 12 steps (the lr warm-up included); BF16_DDP: with bf16
+# weights and fp32 masters
+DDP_12_STEPS = ["train.strategy=ddp", "model.channels_last=true", "train.max_steps=12", "checkpoint.every_epochs=0"]
+BF16_DDP = [*DDP_12_STEPS, "train.precision=bf16", "train.param_dtype=bf16"]
+
 
 def env(**extra: str) -> dict[str, str]:
     e = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "TORCHELASTIC", "TRAINER_"))}

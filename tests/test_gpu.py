@@ -21,8 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY, env, same_training
-from test_optim import BF16_DDP
+from conftest import BF16_DDP, ROOT, TINY, env, same_training
 from test_resume import check_resume
 
 GPUS = torch.cuda.device_count()

@@ -7,10 +7,6 @@ from torch import nn
 from trainer.config import load_config
 from trainer.optim import Lookahead, build_optimizer, lr_factor, param_groups
 
-# two ranks, bf16 weights with fp32 masters, channels-last convs, 12 steps (the lr warm-up included)
-BF16_DDP = ["train.strategy=ddp", "train.precision=bf16", "train.param_dtype=bf16", "model.channels_last=true", "train.max_steps=12",
-            "checkpoint.every_epochs=0"]
-
 
 def test_biases_learn_faster_with_the_same_decay_per_step():
     cfg = load_config(None, ["optim.lr=0.5", "optim.weight_decay=0.01", "optim.bias_lr_scale=8"])
@@ -122,7 +118,7 @@ def test_bf16_masters_updated_in_ddps_hook_match_the_update_after_backward(tmp_p
     (whose bucket layout differs from what bucket.gradients() reports), linear weights, biases
     (stepped by the optimizer), the lr schedule's warm-up, with and without momentum. Only float
     rounding may differ (the mean is taken after the sum instead of before)."""
-    from conftest import TINY, same_training
+    from conftest import BF16_DDP, TINY, same_training
 
     same_training(tmp_path, [*TINY, *BF16_DDP, f"optim.momentum={momentum}", "optim.nesterov=false"], "dist.update_in_backward")
 

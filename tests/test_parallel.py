@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import BF16_DDP, DDP_12_STEPS
 
 from trainer import models, parallel
 from trainer.config import load_config
@@ -82,17 +83,16 @@ def test_a_gathered_linear_stays_out_of_the_compiled_graphs():
 
 
 @pytest.mark.parametrize("overrides, rtol", [
-    (["optim.momentum=0.9"], 1e-5),  # fp32: the same sums in another order
+    ([*DDP_12_STEPS, "optim.momentum=0.9"], 1e-5),  # fp32: the same sums in another order
     # bf16 weights: every other weight's master updated in DDP's hook, the gathered layer's after
     # backward. Its bf16 gradient is rounded once (after the sum) instead of per rank: some bf16
     # weights round the other way, and 12 steps later the momentum differs by about 1% (a gradient
     # taken twice, or not averaged, is 50-100%)
-    (["train.precision=bf16", "train.param_dtype=bf16", "dist.update_in_backward=true", "optim.momentum=0.9"], 5e-2),
+    ([*BF16_DDP, "dist.update_in_backward=true", "optim.momentum=0.9"], 5e-2),
 ], ids=["fp32", "bf16-weights-hook"])
 def test_linear_gradients_from_gathered_factors_match_ddps_all_reduce(tmp_path, overrides, rtol):
     """dist.gather_linear_factors=true (every Linear) against DDP's all-reduce, two ranks (gloo):
     the same training up to float rounding, forward and backward through channels-last convs."""
     from conftest import TINY, same_training
 
-    same_training(tmp_path, [*TINY, "train.strategy=ddp", "model.channels_last=true", "train.max_steps=12", "checkpoint.every_epochs=0", *overrides],
-                  "dist.gather_linear_factors", rtol=rtol)
+    same_training(tmp_path, [*TINY, *overrides], "dist.gather_linear_factors", rtol=rtol)

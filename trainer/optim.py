@@ -277,13 +277,11 @@ class MasterWeights:
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         if self.in_backward:  # DDP's hook has updated them during backward, all but those DDP leaves alone
-            for i, masters, weights in self._plan:
-                group = optimizer.param_groups[i]
-                for m, w in zip(masters, weights, strict=True):
-                    if id(w) not in self._done and w.grad is not None:  # e.g. dist.gather_linear_factors' weights
-                        buf = optimizer.state[m]["momentum_buffer"] if group["momentum"] else None
-                        _sgd_on_master_eager(m, w, w.grad, buf, group["lr"], 1.0, group["momentum"], group["weight_decay"], group["nesterov"])
-                    w.grad = None
+            weights = [w for _, _, ws in self._plan for w in ws]
+            left = [w for w in weights if id(w) not in self._done and w.grad is not None]  # e.g. dist.gather_linear_factors' weights
+            self._update_bucket(left, [w.grad for w in left], 1.0)  # their gradients arrive as the mean already
+            for w in weights:
+                w.grad = None
             self._done.clear()
             return
         for masters, weights, grads, buffers, lr, group in self._groups(optimizer):
