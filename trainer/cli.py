@@ -95,6 +95,7 @@ def train(config_file, overrides):
         try:
             code = Trainer(run).fit()
         finally:
+            run.watchdog.close()
             run.checkpointer.close()
             run.log.close()
     finally:

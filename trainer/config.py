@@ -175,6 +175,14 @@ class DistConfig:
     """Collective backend (auto: nccl on CUDA, gloo on the CPU)."""
     timeout_s: int = 300
     """Seconds a collective may wait for a silent rank before the job fails (and torchrun restarts)."""
+    hang_timeout_s: float = 180.0
+    """Seconds without progress (a finished training step, evaluation batch or checkpoint save)
+    after which a worker writes its Python stacks to <run folder>/hang-rank<R>.txt and exits as a
+    crash (124), so the launcher restarts from the newest checkpoint: a blocked read or write, a
+    deadlock, a stopped process, also with one process where no collective times out. Raised to 10x
+    the longest pause seen so far in the run; armed after the first step (compilation is not
+    watched); 0 turns it off. Below dist.timeout_s, so a hang leaves stacks before the collective
+    timeout fires."""
     bucket_mb: int = 25
     """DDP gradient bucket size in MB."""
     gradient_as_bucket_view: bool = True
@@ -287,6 +295,7 @@ class Config:
             "train.seed": self.train.seed,
             "profile.steps": self.profile.steps,
             "profile.skip": self.profile.skip,
+            "dist.hang_timeout_s": self.dist.hang_timeout_s,
         }
         for key, value in non_negative.items():
             if value < 0:

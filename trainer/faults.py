@@ -11,6 +11,7 @@ steps later, when it has long finished, so the agreement never makes the host wa
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import time
@@ -28,25 +29,36 @@ def crash_point(name: str, step: int | None = None) -> None:
     """Fault injection for the tests, off unless TRAINER_FAULT names this point.
 
     TRAINER_FAULT="POINT[@STEP]:ACTION" with ACTION ``kill`` (SIGKILL this process) or
-    ``sleep=SECONDS``. A kill happens only on the first attempt (torchrun's
-    TORCHELASTIC_RESTART_COUNT=0) and on rank TRAINER_FAULT_RANK (default 0), so a restarted
-    group runs through.
+    ``sleep=SECONDS`` (a read or write that blocks). Points: ``batch`` (before a training step
+    reads its batch) and ``before-rename`` (a checkpoint written, not yet published). It acts only
+    on the first attempt (torchrun's TORCHELASTIC_RESTART_COUNT=0) and on rank TRAINER_FAULT_RANK
+    (default 0), so a restarted group runs through.
     """
-    spec = os.environ.get("TRAINER_FAULT")
-    if not spec:
+    fault = _fault()
+    if fault is None:
         return
-    where, _, action = spec.partition(":")
-    point, _, at = where.partition("@")
-    if point != name or (at and step is not None and int(at) != step):
-        return
-    if action.startswith("sleep="):
-        time.sleep(float(action.split("=", 1)[1]))
+    point, at, action = fault
+    if point != name or (at is not None and step is not None and at != step):
         return
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return
     if os.environ.get("RANK", "0") != os.environ.get("TRAINER_FAULT_RANK", "0"):
         return
+    if action.startswith("sleep="):
+        time.sleep(float(action.split("=", 1)[1]))
+        return
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+@functools.cache
+def _fault() -> tuple[str, int | None, str] | None:
+    """TRAINER_FAULT parsed once (crash_point runs every step)."""
+    spec = os.environ.get("TRAINER_FAULT")
+    if not spec:
+        return None
+    where, _, action = spec.partition(":")
+    point, _, at = where.partition("@")
+    return point, int(at) if at else None, action
 
 
 class StopFlag:

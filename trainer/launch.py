@@ -18,6 +18,9 @@ under :func:`supervise` (``trainer torchrun ...``, which ``trainer launch`` uses
   workers of the last attempt exited 75 gives 75; torchrun's 0 gives 0; any other end is a crash
   (torchrun's own code, never 0, 2 or 75).
 
+A worker that makes no progress and cannot act on it itself (stopped, frozen) is killed here, so
+torchrun restarts the group (see trainer/watchdog.py: its heartbeat files in ``$TRAINER_EXIT_DIR``).
+
 Workers die with torchrun, and torchrun with us (``PR_SET_PDEATHSIG``): kill -9 of a launcher
 leaves no orphan training on, and writing into a folder a relaunch already uses.
 
@@ -27,12 +30,14 @@ Nothing here imports torch: usage errors and ``--help`` stay fast.
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 EXIT_OK = 0
@@ -42,6 +47,9 @@ EXIT_PREEMPTED = 75
 """Stopped by a signal after saving a checkpoint of the last finished step (EX_TEMPFAIL): run the
 same command again to resume."""
 EXIT_CRASH = 1
+EXIT_HUNG = 124
+"""A worker's hang watchdog gave up on it (no progress within dist.hang_timeout_s; trainer/watchdog.py):
+a crash, restarted like one; 124 as timeout(1) exits."""
 
 EXIT_DIR_ENV = "TRAINER_EXIT_DIR"
 FORWARDED = {signal.SIGTERM: signal.SIGTERM, signal.SIGINT: signal.SIGINT, signal.SIGHUP: signal.SIGHUP, signal.SIGUSR1: signal.SIGTERM}
@@ -95,7 +103,7 @@ def record_exit(code: int, message: str = "") -> None:
 def _records(folder: Path) -> list[tuple[int, str]]:
     """(exit code, error line) of each worker of the newest attempt."""
     found: dict[int, list[tuple[int, str]]] = {}
-    for p in folder.glob("*-*"):
+    for p in folder.glob("[0-9]*-*"):
         attempt, _, _ = p.name.partition("-")
         try:
             code, _, message = p.read_text().partition("\n")
@@ -116,6 +124,53 @@ def _say_usage_error(folder: Path) -> None:
     message = next((m for c, m in _records(folder) if c == EXIT_USAGE and m), "")
     if message:
         print(message, file=sys.stderr, flush=True)
+
+
+HEARTBEAT_MARGIN_S = 10.0
+"""Past a worker's bound, so that its own watchdog, which can write its Python stacks, goes first."""
+
+
+def kill_hung_workers(folder: Path, margin_s: float = HEARTBEAT_MARGIN_S) -> list[str]:
+    """Kill every worker whose heartbeat file (trainer/watchdog.py) is older than its bound plus
+    ``margin_s``: it cannot act on its own watchdog (stopped, frozen). Returns what was said."""
+    said = []
+    for hb in folder.glob("hb-*"):
+        try:
+            info, age = json.loads(hb.read_text()), time.time() - hb.stat().st_mtime
+        except (OSError, ValueError):
+            continue
+        if age <= info["bound_s"] + margin_s:
+            continue
+        hb.unlink(missing_ok=True)  # once per worker
+        state = _process_state(info["pid"])
+        if state is None:
+            continue  # gone already (its attempt ended)
+        line = (f"trainer torchrun: rank {info['rank']} (pid {info['pid']}, state {state}) has made no progress for {age:.0f} s "
+                f"after step {info['step']} and its own watchdog did not act (bound {info['bound_s']:.0f} s, dist.hang_timeout_s): "
+                "killing it so that torchrun restarts from the newest checkpoint")
+        try:
+            with open(info["hang_file"], "a") as f:
+                f.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n(no Python stacks: the process could not run to write them)\n")
+        except OSError:
+            pass
+        try:
+            os.kill(info["pid"], signal.SIGKILL)
+        except ProcessLookupError:
+            continue
+        print(line, file=sys.stderr, flush=True)
+        said.append(line)
+    return said
+
+
+def _process_state(pid: int) -> str | None:
+    """The state letter and name from /proc (T (stopped), D (disk sleep), ...), or None if gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("State:"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        return None
+    return "?"
 
 
 def verdict(torchrun_code: int, codes: list[int]) -> int:
@@ -160,6 +215,7 @@ def supervise(torchrun_args: list[str], poll_s: float = 0.5, grace_s: float = 60
                 break
             except subprocess.TimeoutExpired:
                 pass
+            kill_hung_workers(exit_dir)
             if EXIT_USAGE in recorded(exit_dir):  # bad input: torchrun would retry it as a crash
                 _say_usage_error(exit_dir)
                 stopped_for_usage = True
@@ -187,10 +243,39 @@ def supervise(torchrun_args: list[str], poll_s: float = 0.5, grace_s: float = 60
         shutil.rmtree(exit_dir, ignore_errors=True)
 
 
+def _option(argv: list[str], name: str, default: str = "") -> str:
+    """A torchrun option's value, spelt --name=V, --name V, or with underscores."""
+    names = {f"--{name}", f"--{name.replace('-', '_')}"}
+    for i, a in enumerate(argv):
+        key, eq, value = a.partition("=")
+        if key in names:
+            return value if eq else (argv[i + 1] if i + 1 < len(argv) else default)
+    return default
+
+
+def rendezvous_failure(argv: list[str], error: BaseException) -> str:
+    """One line for a rendezvous that could not form: what happened, where, and the fix."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousTimeoutError
+
+    endpoint = _option(argv, "rdzv-endpoint", "127.0.0.1:29400") or "127.0.0.1:29400"
+    nodes, job = _option(argv, "nnodes", "1"), _option(argv, "rdzv-id", "none")
+    conf = dict(kv.split("=", 1) for kv in _option(argv, "rdzv-conf").split(",") if "=" in kv)
+    if isinstance(error, RendezvousTimeoutError):
+        return (f"torchrun: the rendezvous at {endpoint} (id {job}) did not gather {nodes} nodes within "
+                f"{conf.get('join_timeout', '600')} s: start the same command on every node (same --rdzv-id, and "
+                f"--rdzv-endpoint reachable from each), or wait longer with --rdzv-conf join_timeout=SECONDS")
+    if isinstance(error, RendezvousClosedError):
+        return (f"torchrun: the rendezvous at {endpoint} (id {job}) was closed: the job ended on another node; "
+                "start every node again (with a new --rdzv-id if the old job's nodes are gone)")
+    return (f"torchrun: cannot reach the rendezvous at {endpoint} (id {job}): {error or type(error).__name__}; check that "
+            "the first node runs and that this node reaches it at that address and port")
+
+
 def _torchrun(argv: list[str]) -> int:
-    """torchrun's own main, minus the traceback it prints when a signal stops it (the workers
-    report what they did; the supervisor turns it into the exit code)."""
+    """torchrun's own main, minus the traceback it prints when a signal stops it or its rendezvous
+    cannot form (the workers report what they did; the supervisor turns it into the exit code)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import main
 
     try:
@@ -198,6 +283,9 @@ def _torchrun(argv: list[str]) -> int:
     except SignalException as e:
         print(f"torchrun: stopped its workers on {signal.Signals(e.sigval).name}", file=sys.stderr, flush=True)
         return 128 + int(e.sigval)
+    except RendezvousError as e:  # a crash (another node may yet come): the launcher's retry is right
+        print(rendezvous_failure(argv, e), file=sys.stderr, flush=True)
+        return EXIT_CRASH
     return 0
 
 

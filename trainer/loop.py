@@ -15,6 +15,7 @@ from trainer import compile_cache, parallel
 from trainer.config import Config, to_yaml
 from trainer.data import Split
 from trainer.dist import Runtime, all_reduce_sum, barrier
+from trainer.faults import crash_point
 from trainer.launch import EXIT_PREEMPTED
 from trainer.loader import Augment, eval_batches
 from trainer.metrics import StepProfiler, StepTimer, plot_curves
@@ -37,10 +38,10 @@ def predict(model: torch.nn.Module, x: torch.Tensor, tta: str) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, split: Split, cfg: Config, rt: Runtime, augment: Augment, bf16: bool) -> tuple[float, float]:
+def evaluate(model: torch.nn.Module, split: Split, cfg: Config, rt: Runtime, augment: Augment, bf16: bool, beat=None) -> tuple[float, float]:
     """(test loss, test accuracy). Each rank takes a contiguous shard and every rank runs the same
     number of batches (sharded models gather weights collectively), so every test image is counted
-    exactly once whatever the world size."""
+    exactly once whatever the world size. ``beat()`` after each batch tells the hang watchdog."""
     model.eval()
     sums = torch.zeros(3, device=rt.device, dtype=torch.float64)
     for x, y in eval_batches(split, rt, cfg.data.eval_batch_size):
@@ -49,6 +50,8 @@ def evaluate(model: torch.nn.Module, split: Split, cfg: Config, rt: Runtime, aug
         sums[0] += F.cross_entropy(logits, y, reduction="sum").double()
         sums[1] += (logits.argmax(1) == y).sum()
         sums[2] += len(y)
+        if beat is not None:
+            beat()
     loss, correct, n = all_reduce_sum(rt, sums).tolist()
     return loss / n, correct / n
 
@@ -168,6 +171,7 @@ class Trainer:
             self.profiler.before_step()
             d0 = self.timer.mark()
             with record_function("step.data"):
+                crash_point("batch", st.step + 1)  # fault injection (tests): a read that blocks
                 batch = next(batches, None)  # augmented on the device: by the epoch, or by the step from host memory
             if batch is None:
                 break
@@ -176,6 +180,7 @@ class Trainer:
             self.timer.add(d0, d1, self.timer.mark())
             st.step += 1
             st.epoch_step += 1
+            r.watchdog.beat(st.step)  # progress, for the hang watchdog: a clock read, no sync
             steps += 1
             window += 1
             loss_sum += loss
@@ -226,7 +231,8 @@ class Trainer:
         test_loss = test_acc = None
         if last or (epoch + 1) % cfg.train.eval_every == 0:
             parallel.sync_buffers(self.r.model, self.rt)
-            test_loss, test_acc = evaluate(self.r.eval_model, self.r.test_split, self.cfg, self.rt, self.r.augment, self.r.fast.bf16)
+            test_loss, test_acc = evaluate(self.r.eval_model, self.r.test_split, self.cfg, self.rt, self.r.augment, self.r.fast.bf16,
+                                          self.r.watchdog.beat)
         if not self.done_steps() or st.epoch_step >= self.r.steps_per_epoch:
             st.epoch, st.epoch_step = epoch + 1, 0
         partial = {"resumed_at_epoch_step": self.resumed_at} if self.resumed_at else {}
@@ -258,6 +264,7 @@ class Trainer:
         if sync or not r.fast.async_save:  # decided alike on every rank (only rank 0 writes)
             barrier(self.rt)  # the others wait until the checkpoint is on disk
         self.last_saved = st.step
+        r.watchdog.beat()
 
     def profiled(self, summary: dict | None) -> None:
         if summary is not None:

@@ -20,6 +20,7 @@ from trainer.faults import StopFlag
 from trainer.loader import Augment, make_train_loader
 from trainer.metrics import Progress, RunLog, Startup
 from trainer.optim import Lookahead, MasterWeights, build_optimizer, build_schedule
+from trainer.watchdog import Watchdog
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,8 @@ class Run:
     started_at: float
     startup: Startup
     """Start-up phases so far; the warm-up adds its own and logs them with the first step."""
+    watchdog: Watchdog
+    """Ends the attempt as a crash, stacks saved, when no step finishes for dist.hang_timeout_s."""
     compile_cache: str = "off"
     """What the start-up found in checkpoint.dir/compile-cache: off, none, damaged or 'warm (N files)'."""
     compile_key: str = ""
@@ -204,4 +207,5 @@ def build(cfg: Config, rt: Runtime, started_at: float | None = None) -> Run:
         checkpointer=ckpt,
         log=RunLog(root, rt, cfg.train.tensorboard, state.step if resumed_from else None), say=say, resumed_from=resumed_from, started_at=started_at,
         compile_cache=cache, compile_key=cache_key, masters=masters, startup=clock,
+        watchdog=Watchdog(cfg.dist.hang_timeout_s, root, rt.rank),
     )

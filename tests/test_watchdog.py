@@ -1,0 +1,192 @@
+"""The hang watchdog (trainer/watchdog.py) and the supervisor's part in it (trainer/launch.py):
+a run that stops making progress ends as a crash with its stacks saved, and is restarted; with
+real processes, real signals and real torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import ROOT, TINY, env, trainer_cmd
+
+from trainer import watchdog
+from trainer.launch import EXIT_HUNG, kill_hung_workers
+from trainer.watchdog import Watchdog
+
+
+def test_the_bound_grows_with_the_slowest_pause_and_nothing_fires_before_the_first_beat(tmp_path):
+    dog = Watchdog(3, tmp_path, 0)
+    assert dog.bound() == 3 and dog._thread is None  # not armed: compilation is not watched
+    dog.beat(1)
+    time.sleep(0.1)
+    dog.beat(2)
+    assert 0.1 <= dog.slowest < 0.29 and dog.bound() == 3  # never less than the setting
+    dog.slowest = 0.7
+    assert dog.bound() == pytest.approx(7.0)
+    dog.close()
+    assert dog._thread is None and not list(tmp_path.iterdir())
+
+
+def test_off_with_zero(tmp_path):
+    dog = Watchdog(0, tmp_path, 0)
+    dog.beat(1)
+    assert dog._thread is None
+    dog.close()
+
+
+def test_the_heartbeat_file_says_who_and_goes_with_close(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRAINER_EXIT_DIR", str(tmp_path))
+    dog = Watchdog(30, tmp_path / "run", 3)
+    dog.beat(7)
+    info = json.loads((tmp_path / "hb-3").read_text())
+    assert info == {"pid": os.getpid(), "rank": 3, "step": 7, "bound_s": 30.0, "hang_file": str(tmp_path / "run" / "hang-rank3.txt")}
+    dog.close()
+    assert not (tmp_path / "hb-3").exists()
+
+
+BLOCKED = """
+import sys, time
+from pathlib import Path
+from trainer.watchdog import Watchdog
+def read_that_blocks():
+    time.sleep(600)
+dog = Watchdog(2, Path(sys.argv[1]), 5)
+dog.beat(41)
+read_that_blocks()
+"""
+
+
+def test_a_blocked_worker_writes_its_stacks_and_exits_124(tmp_path):
+    t0 = time.time()
+    p = subprocess.run([sys.executable, "-c", BLOCKED, str(tmp_path)], capture_output=True, text=True, timeout=60, env=env(), cwd=ROOT)
+    assert p.returncode == EXIT_HUNG, p.stderr
+    assert time.time() - t0 < 2 + 10  # the bound, a tick, and the interpreter's start
+    stacks = (tmp_path / "hang-rank5.txt").read_text()
+    assert "rank 5" in stacks and "after step 41" in stacks and "read_that_blocks" in stacks and 'File "<string>"' in stacks
+    line = [x for x in p.stderr.splitlines() if x.startswith("rank 5:")]
+    assert line and "dist.hang_timeout_s" in line[0] and str(tmp_path / "hang-rank5.txt") in line[0], p.stderr
+
+
+def stopped_process() -> subprocess.Popen:
+    p = subprocess.Popen(["sleep", "300"])
+    os.kill(p.pid, signal.SIGSTOP)
+    return p
+
+
+def heartbeat(folder: Path, pid: int, rank: int, age_s: float, bound_s: float = 5) -> Path:
+    hb = folder / f"hb-{rank}"
+    hb.write_text(json.dumps({"pid": pid, "rank": rank, "step": 12, "bound_s": bound_s, "hang_file": str(folder / f"hang-rank{rank}.txt")}))
+    os.utime(hb, (time.time() - age_s, time.time() - age_s))
+    return hb
+
+
+def test_the_supervisor_kills_a_stopped_worker_past_its_bound_and_no_other(tmp_path):
+    stale, fresh = stopped_process(), stopped_process()
+    try:
+        heartbeat(tmp_path, stale.pid, 0, age_s=16)  # 5 s bound + 10 s margin passed
+        heartbeat(tmp_path, fresh.pid, 1, age_s=14)
+        heartbeat(tmp_path, 999_999_999, 2, age_s=100)  # its attempt is over: nothing to kill
+        said = kill_hung_workers(tmp_path)
+        assert len(said) == 1 and "rank 0" in said[0] and "state T (stopped)" in said[0]
+        assert stale.wait(5) == -signal.SIGKILL
+        assert fresh.poll() is None
+        assert "no Python stacks" in (tmp_path / "hang-rank0.txt").read_text()
+        assert not (tmp_path / "hb-0").exists() and not (tmp_path / "hb-2").exists() and (tmp_path / "hb-1").exists()
+        assert kill_hung_workers(tmp_path) == []  # once
+    finally:
+        for p in (stale, fresh):
+            p.kill()
+            p.wait()
+
+
+def test_the_supervisor_margin_lets_the_worker_go_first():
+    assert watchdog.TICK_S * 5 < 10.0  # faulthandler's backstop fires within the margin too
+
+
+# ------------------------------------------------------------------------------------------------
+# The whole path: trainer launch (supervisor, torchrun, workers), a hang, a restart, the end
+
+JOB = [*TINY, "train.epochs=24", "train.log_every=4", "dist.hang_timeout_s=5"]
+
+
+def launch(ckpt: Path, nproc: int, extra_env: dict | None = None) -> subprocess.Popen:
+    cmd = trainer_cmd("launch", "--nproc-per-node", str(nproc), *JOB, f"checkpoint.dir={ckpt}")
+    return subprocess.Popen(cmd, cwd=ROOT, env=env(**(extra_env or {})), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            bufsize=1, start_new_session=True)
+
+
+def follow(agent: subprocess.Popen, on_line=None, timeout: float = 240) -> tuple[str, dict]:
+    """The job's output to its end, and when (time.time()) the first line matching each key of
+    ``on_line``'s return values was seen."""
+    lines, deadline = [], time.time() + timeout
+    try:
+        for line in agent.stdout:
+            lines.append(line)
+            if on_line:
+                on_line(line)
+            if time.time() > deadline:
+                break
+    finally:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+        agent.wait(30)
+    return "".join(lines)
+
+
+def worker(agent: subprocess.Popen, rank: int) -> psutil.Process:
+    for p in psutil.Process(agent.pid).children(recursive=True):
+        try:
+            if p.environ().get("RANK") == str(rank) and "trainer" in " ".join(p.cmdline()):
+                return p
+        except psutil.Error:
+            continue
+    raise AssertionError(f"no worker of rank {rank}")
+
+
+@pytest.mark.slow
+def test_the_only_worker_stopped_with_sigstop_is_restarted_within_its_bound_plus_30_s(ckpt):
+    agent, marks = launch(ckpt, 1), {}
+
+    def on_line(line):
+        if "epoch 3/24 step 4/" in line and "stop" not in marks:
+            worker(agent, 0).send_signal(signal.SIGSTOP)
+            marks["stop"] = time.time()
+        if "resuming from" in line and "stop" in marks and "resumed" not in marks:
+            marks["resumed"] = time.time()
+
+    out = follow(agent, on_line)
+    assert agent.returncode == 0 and "done: step 384" in out, out[-3000:]
+    assert "state T (stopped)" in out and "resumed" in marks, out[-3000:]
+    recovery = marks["resumed"] - marks["stop"]
+    print(f"SIGSTOP of the only worker -> resumed in {recovery:.1f} s (bound 5 s)")
+    assert recovery < 5 + 30
+    assert "no Python stacks" in (ckpt / "hang-rank0.txt").read_text()
+
+
+@pytest.mark.slow
+def test_a_data_read_that_blocks_on_one_rank_leaves_every_ranks_stacks_and_the_job_finishes(ckpt):
+    out = follow(launch(ckpt, 2, {"TRAINER_FAULT": "batch@40:sleep=600", "TRAINER_FAULT_RANK": "1"}))
+    assert "done: step 384" in out, out[-3000:]
+    assert re.search(r"rank 1: no training progress for \d+ s after step 39", out), out[-3000:]
+    blocked = (ckpt / "hang-rank1.txt").read_text()
+    assert "crash_point" in blocked and "train_epoch" in blocked  # the read that blocked, in the loop
+    waiting = (ckpt / "hang-rank0.txt").read_text()  # rank 0 waited for it in a collective, and says where
+    assert "train_epoch" in waiting and "after step 39" in waiting
+    assert "resuming from" in out
+
+
+@pytest.mark.slow
+def test_a_checkpoint_write_that_blocks_is_caught_and_the_job_finishes(ckpt):
+    out = follow(launch(ckpt, 1, {"TRAINER_FAULT": "before-rename@64:sleep=600"}))
+    assert "done: step 384" in out and "resuming from" in out, out[-3000:]
+    stacks = (ckpt / "hang-rank0.txt").read_text()
+    assert "after step 64" in stacks and "crash_point" in stacks and "save" in stacks
+    assert not (ckpt / "step-64").exists() or (ckpt / "step-64" / "state.pt").is_file()
