@@ -65,11 +65,12 @@ case "$LOCAL_ADDR" in
     addr=(--local-addr "${src:-$(hostname -I | cut -d" " -f1)}") ;;
   *) addr=(--local-addr "$LOCAL_ADDR") ;;
 esac
+echo "$(hostname): rendezvous at $HEAD_NODE:$RDZV_PORT, this node advertises ${addr[1]:-its host name}" >&2
 if [ -n "$APPTAINER_IMAGE" ]; then
   exec apptainer exec --nv --bind "$APPTAINER_BIND" "$APPTAINER_IMAGE" python -m trainer torchrun "${addr[@]}" "$@"
 fi
 exec python -m trainer torchrun "${addr[@]}" "$@"'
-export LOCAL_ADDR HEAD_NODE="$head_node" APPTAINER_IMAGE="${APPTAINER_IMAGE:-}" APPTAINER_BIND="$ckpt_dir,$DATA_DIR"
+export LOCAL_ADDR RDZV_PORT HEAD_NODE="$head_node" APPTAINER_IMAGE="${APPTAINER_IMAGE:-}" APPTAINER_BIND="$ckpt_dir,$DATA_DIR"
 
 if [ -z "${CONTAINER_IMAGE:-}${APPTAINER_IMAGE:-}" ]; then
     # A usage error stops here with exit 2, before torchrun would restart it MAX_RESTARTS times.

@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -194,6 +195,76 @@ class Bed:
     def leftovers(self) -> list[str]:
         """Namespaces of this bed still there (empty after close)."""
         return [ns for ns in namespaces() if ns.startswith(self.tag)]
+
+
+class SlurmCluster:
+    """A real Slurm cluster on a bed: slurmctld on host ``ctl``, one ``slurmd -N <host>`` on each
+    other host (NodeAddr its address; spool, pid and log files per node), the machine's munged
+    reused. Client commands run on a host of the bed with this cluster's SLURM_CONF."""
+
+    def __init__(self, bed: Bed, cpus: int, mem_mb: int = 1000, slurmd_timeout_s: int = 10):
+        self.bed, self.nodes = bed, [h for h in bed.names if h != "ctl"]
+        self.dir = bed.dir / "slurm"
+        self.dir.mkdir()
+        self.conf = self.dir / "slurm.conf"
+        nodes = "".join(f"NodeName={h} NodeAddr={bed.addr[h]} CPUs={cpus} RealMemory={mem_mb} State=UNKNOWN\n" for h in self.nodes)
+        d = self.dir
+        self.conf.write_text(f"""ClusterName=bed
+SlurmctldHost=ctl({bed.addr['ctl']})
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=cred_expire=10
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SchedulerType=sched/backfill
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+MpiDefault=none
+ReturnToService=2
+JobRequeue=1
+KillWait=30
+SlurmdTimeout={slurmd_timeout_s}
+StateSaveLocation={d}/ctld
+SlurmdSpoolDir={d}/spool-%n
+SlurmctldPidFile={d}/slurmctld.pid
+SlurmdPidFile={d}/slurmd-%n.pid
+SlurmctldLogFile={d}/slurmctld.log
+SlurmdLogFile={d}/slurmd-%n.log
+{nodes}PartitionName=bed Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+""")
+        self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
+        bed.popen("ctl", ["slurmctld", "-D", "-f", str(self.conf)], env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for h in self.nodes:
+            self.start_node(h)
+        self.wait_idle(self.nodes)
+
+    def start_node(self, host: str) -> None:
+        self.bed.popen(host, ["slurmd", "-D", "-N", host, "-f", str(self.conf)], env=self.env,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def run(self, *cmd: str, timeout: float = 60, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
+        """A Slurm client command (sinfo, sbatch, scontrol ...), from the first node."""
+        return self.bed.run(self.nodes[0], list(cmd), timeout=timeout, env={**self.env, **(env or {})}, **kw)
+
+    def job_field(self, job: str, name: str) -> str:
+        m = re.search(rf"\b{name}=(\S+)", self.run("scontrol", "show", "job", job).stdout)
+        return m.group(1) if m else ""
+
+    def states(self) -> dict[str, str]:
+        out = self.run("sinfo", "-h", "-N", "-o", "%N %t").stdout
+        return dict(line.split() for line in out.splitlines() if line.strip())
+
+    def wait_idle(self, hosts: list[str], timeout: float = 60) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            states = self.states()
+            if all(states.get(h, "").rstrip("*") in ("idle", "mix", "alloc") for h in hosts):
+                return
+            time.sleep(0.5)
+        logs = "".join((self.dir / f).read_text()[-1500:] for f in ("slurmctld.log",) if (self.dir / f).exists())
+        raise RuntimeError(f"the bed's Slurm nodes did not come up: {self.states()}\n{logs}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,10 @@ lost node, a hung rank, stop signals on every host. Needs root (CI runs as root)
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT, TINY, env, newest, weights
-from hosts import Bed, namespaces
+from hosts import Bed, SlurmCluster, namespaces
 
 from trainer.launch import EXIT_PREEMPTED
 
@@ -25,18 +28,14 @@ pytestmark = pytest.mark.slow
 PORT = 29400
 JOB = [*TINY, "train.epochs=12", "train.log_every=4", "checkpoint.every_steps=8", "checkpoint.keep=50", "dist.hang_timeout_s=10"]
 STEPS = 12 * 16  # 16 steps an epoch (512 images, batch 32)
-LINE = re.compile(r"epoch (\d+)/\d+ step (\d+)/(\d+)")
 
 
-class Node:
-    """`trainer torchrun` on one host of the bed, its output read as it comes (with the time of each line)."""
+class Proc:
+    """A command on one host of the bed, its output read as it comes (with the time of each line)."""
 
-    def __init__(self, bed: Bed, host: str, ckpt: Path, job_id: str, *overrides: str, nnodes: int = 2, rdzv: str = "", env_extra=None):
-        cmd = [sys.executable, "-m", "trainer", "torchrun", f"--nnodes={nnodes}", "--nproc-per-node=1", "--max-restarts=3",
-               "--monitor-interval=0.5", "--rdzv-backend=c10d", f"--rdzv-endpoint=node0:{PORT}", f"--rdzv-id={job_id}", *([rdzv] if rdzv else []),
-               "-m", "trainer", "train", *JOB, f"checkpoint.dir={ckpt}", *overrides]
+    def __init__(self, bed: Bed, host: str, cmd: list[str], environ: dict[str, str]):
         self.host, self.lines = host, []
-        self.proc = bed.popen(host, cmd, cwd=ROOT, env=env(**(env_extra or {})), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        self.proc = bed.popen(host, cmd, cwd=ROOT, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
 
@@ -65,13 +64,14 @@ class Node:
             time.sleep(0.1)
         raise AssertionError(f"{self.host}: no line matching {pattern!r}\n{self.out[-3000:]}")
 
-    def step(self) -> int:
-        """The newest global step this node printed."""
-        for _, line in reversed(self.lines):
-            m = LINE.search(line)
-            if m:
-                return (int(m.group(1)) - 1) * int(m.group(3)) + int(m.group(2))
-        return 0
+
+
+def node(bed: Bed, host: str, ckpt: Path, job_id: str, *overrides: str, nnodes: int = 2, rdzv: str = "") -> Proc:
+    """`trainer torchrun` on ``host``, as every launcher of ours runs it, c10d rendezvous on node0."""
+    cmd = [sys.executable, "-m", "trainer", "torchrun", f"--nnodes={nnodes}", "--nproc-per-node=1", "--max-restarts=3",
+           "--monitor-interval=0.5", "--rdzv-backend=c10d", f"--rdzv-endpoint=node0:{PORT}", f"--rdzv-id={job_id}", *([rdzv] if rdzv else []),
+           "-m", "trainer", "train", *JOB, f"checkpoint.dir={ckpt}", *overrides]
+    return Proc(bed, host, cmd, env())
 
 
 @pytest.fixture
@@ -82,7 +82,7 @@ def bed():
     assert not leftovers(), "the bed left namespaces behind"
 
 
-def both_finish(nodes: list[Node], timeout: float = 300) -> None:
+def both_finish(nodes: list[Proc], timeout: float = 300) -> None:
     for n in nodes:
         assert n.wait(timeout) == 0, f"{n.host} exited {n.proc.returncode}\n{n.out[-3000:]}"
 
@@ -92,7 +92,7 @@ def reference(tmp_path_factory) -> dict[str, torch.Tensor]:
     """The same job uninterrupted across two hosts: what every faulted run must end with, bit for bit."""
     ckpt = tmp_path_factory.mktemp("reference")
     with Bed(2) as b:
-        nodes = [Node(b, h, ckpt, "ref") for h in b.names]
+        nodes = [node(b, h, ckpt, "ref") for h in b.names]
         both_finish(nodes)
     return weights(ckpt / f"step-{STEPS}")
 
@@ -103,19 +103,19 @@ def same(a: dict, b: dict) -> bool:
 
 def test_two_hosts_train_with_a_late_node_then_resume_across_hosts(bed, tmp_path, reference):
     ckpt = tmp_path / "ckpt"
-    first = Node(bed, "node0", ckpt, "a")
+    first = node(bed, "node0", ckpt, "a")
     time.sleep(8)  # the second node comes late: the first one waits at the rendezvous
-    second = Node(bed, "node1", ckpt, "a")
+    second = node(bed, "node1", ckpt, "a")
     both_finish([first, second])
     assert "strategy ddp x2" in first.out and f"done: step {STEPS}" in first.out, first.out[-2000:]
     assert same(weights(newest(ckpt)), reference)  # deterministic across hosts, whoever came first
-    again = [Node(bed, h, ckpt, "b", "train.epochs=13") for h in bed.names]  # a new launch resumes the run
+    again = [node(bed, h, ckpt, "b", "train.epochs=13") for h in bed.names]  # a new launch resumes the run
     both_finish(again)
     assert f"resuming from {ckpt}/step-{STEPS}" in again[0].out and f"done: step {STEPS + 16}" in again[0].out
 
 
 def test_a_node_that_never_comes_ends_the_wait_with_one_line_naming_the_endpoint(bed, tmp_path):
-    alone = Node(bed, "node0", tmp_path / "ckpt", "lonely", rdzv="--rdzv-conf=join_timeout=6")
+    alone = node(bed, "node0", tmp_path / "ckpt", "lonely", rdzv="--rdzv-conf=join_timeout=6")
     code = alone.wait(120)
     assert code not in (0, 2, EXIT_PREEMPTED), alone.out  # a crash: the scheduler may retry when the node is there
     line = [x for x in alone.out.splitlines() if "rendezvous" in x]
@@ -126,12 +126,12 @@ def test_a_node_that_never_comes_ends_the_wait_with_one_line_naming_the_endpoint
 
 def test_a_lost_node_comes_back_and_the_job_finishes_with_nothing_lost(bed, tmp_path, reference):
     ckpt = tmp_path / "ckpt"
-    nodes = [Node(bed, h, ckpt, "lost") for h in bed.names]
+    nodes = [node(bed, h, ckpt, "lost") for h in bed.names]
     nodes[0].when(r"epoch 4/12 step 8/")
     t_crash = time.time()
     assert bed.crash("node1") >= 2  # its supervisor, torchrun and worker, at once, as a power cut
     time.sleep(5)  # the node reboots; the scheduler starts the same command there again
-    nodes[1] = Node(bed, "node1", ckpt, "lost")
+    nodes[1] = node(bed, "node1", ckpt, "lost")
     t_back = nodes[0].when(r"epoch \d+/12 step \d+/", after=nodes[0].when("resuming from", after=t_crash))
     print(f"lost node: node1 killed -> node0's next training step in {t_back - t_crash:.1f} s (5 s of it the node was down)")
     both_finish(nodes)
@@ -140,7 +140,7 @@ def test_a_lost_node_comes_back_and_the_job_finishes_with_nothing_lost(bed, tmp_
 
 def test_a_hung_rank_on_another_host_is_caught_and_the_job_finishes(bed, tmp_path, reference):
     ckpt = tmp_path / "ckpt"
-    nodes = [Node(bed, h, ckpt, "hung") for h in bed.names]
+    nodes = [node(bed, h, ckpt, "hung") for h in bed.names]
     nodes[0].when(r"epoch 3/12 step 4/")
     worker = next(p for p in bed.pids("node1") if Path(f"/proc/{p}/cmdline").read_text().split("\0")[1:4] == ["-u", "-m", "trainer"])
     t_stop = time.time()
@@ -156,7 +156,7 @@ def test_a_hung_rank_on_another_host_is_caught_and_the_job_finishes(bed, tmp_pat
 
 def test_sigterm_on_every_host_saves_once_exits_75_everywhere_and_resumes(bed, tmp_path, reference):
     ckpt = tmp_path / "ckpt"
-    nodes = [Node(bed, h, ckpt, "term") for h in bed.names]
+    nodes = [node(bed, h, ckpt, "term") for h in bed.names]
     nodes[0].when(r"epoch 5/12 step 4/")
     for n in nodes:  # Slurm's preemption and Kubernetes' pod deletion signal every node
         n.proc.send_signal(signal.SIGTERM)
@@ -165,10 +165,121 @@ def test_sigterm_on_every_host_saves_once_exits_75_everywhere_and_resumes(bed, t
     stopped = re.search(r"stopped by SIGTERM at step (\d+); checkpoint saved", nodes[0].out)
     assert stopped, nodes[0].out[-2000:]
     assert newest(ckpt).name == f"step-{stopped.group(1)}"
-    again = [Node(bed, h, ckpt, "term2") for h in bed.names]
+    again = [node(bed, h, ckpt, "term2") for h in bed.names]
     both_finish(again)
     assert f"resuming from {ckpt}/step-{stopped.group(1)}" in again[0].out
     assert same(weights(newest(ckpt)), reference)
+
+
+# ------------------------------------------------------------------------------------------------
+# Slurm with two nodes: slurmctld on a host of its own, one slurmd per node host
+
+
+@pytest.fixture
+def slurm(tmp_path):
+    assert shutil.which("slurmd") and subprocess.run(["pgrep", "-x", "munged"], capture_output=True).returncode == 0, \
+        "Slurm and munged are needed: tests/slurm/start-cluster.sh (as .ci/run does)"
+    with Bed(3, decoy=True, names=["ctl", "node0", "node1"]) as b:
+        yield SlurmCluster(b, cpus=os.cpu_count() or 2)
+    assert not b.leftovers()
+
+
+def sbatch(cluster: SlurmCluster, tmp: Path, run_name: str, *overrides: str) -> str:
+    env = {"NPROC_PER_NODE": "1", "CONFIG": "configs/smoke.yaml", "RUN_NAME": run_name, "SHARED_DIR": str(tmp), "OMP_NUM_THREADS": "1",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    p = cluster.run("sbatch", "--parsable", "--nodes=2", "--gpus-per-node=0", f"--cpus-per-task={os.cpu_count() or 2}", f"--output={tmp}/slurm-%j.out",
+                    "slurm/ddp.sh", "train.plot=false", "train.log_every=4", "dist.hang_timeout_s=20", *overrides, env=env, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    return p.stdout.strip().split(";")[0]
+
+
+def wait_for(cluster: SlurmCluster, job: str, states=("COMPLETED", "FAILED", "CANCELLED"), timeout: float = 300) -> str:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        state = cluster.job_field(job, "JobState")
+        if state in states:
+            return state
+        time.sleep(0.5)
+    return cluster.job_field(job, "JobState")
+
+
+def test_sbatch_on_two_nodes_trains_across_them_and_advertises_a_reachable_address(slurm, tmp_path):
+    job = sbatch(slurm, tmp_path, "two", "train.epochs=2")
+    state, out = wait_for(slurm, job), (tmp_path / f"slurm-{job}.out").read_text()
+    assert state == "COMPLETED" and slurm.job_field(job, "NodeList") == "node[0-1]", out
+    assert "strategy ddp x2" in out and "done: step 64" in out, out
+    for host in ("node0", "node1"):  # the route to the first node, not the decoy listed first by hostname -I
+        assert f"{host}: rendezvous at node0:" in out and f"this node advertises {slurm.bed.addr[host]}" in out, out
+    assert slurm.bed.decoy_addr["node1"] not in out
+
+
+def test_a_lost_slurm_node_requeues_the_job_and_it_resumes_when_the_node_is_back(slurm, tmp_path):
+    job = sbatch(slurm, tmp_path, "lost", "train.epochs=60", "checkpoint.every_steps=16")
+    metrics = tmp_path / "checkpoints" / "lost" / "metrics.jsonl"
+    deadline = time.time() + 180
+    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count('"event": "checkpoint"') >= 2):
+        time.sleep(0.5)
+    t_crash = time.time()
+    slurm.bed.crash("node1")  # slurmd and the job's processes on it, at once
+    deadline = time.time() + 120
+    while time.time() < deadline and slurm.states().get("node1", "").rstrip("*") not in ("down", "idle"):
+        time.sleep(0.5)
+    t_down = time.time()
+    time.sleep(3)
+    slurm.start_node("node1")  # the node reboots and its slurmd registers again
+    assert wait_for(slurm, job, timeout=400) == "COMPLETED", (tmp_path / f"slurm-{job}.out").read_text()[-4000:]
+    out = (tmp_path / f"slurm-{job}.out").read_text()
+    assert int(slurm.job_field(job, "Restarts")) >= 1 and "resuming from" in out and "done: step 1920" in out, out[-3000:]
+    records = [json.loads(x) for x in metrics.read_text().splitlines()]
+    resumed = next(i for i, r in enumerate(records) if r.get("event") == "start" and r.get("resumed_from"))
+    t_next = next(r["time"] for r in records[resumed:] if r.get("event") == "log")
+    print(f"lost Slurm node: marked down {t_down - t_crash:.0f} s after the crash; first training step after the requeue "
+          f"{t_next - t_crash:.0f} s after the crash (the node back {t_down + 3 - t_crash:.0f} s after it)")
+
+
+# ------------------------------------------------------------------------------------------------
+# A PyTorchJob across hosts: the operator's part played (tests/test_launchers.py), each pod on a
+# host of its own named as the pod, MASTER_ADDR the master's Service name resolving to its host
+
+
+def test_pytorchjob_pods_on_two_hosts_train_and_a_lost_worker_pod_is_restarted_by_on_failure(tmp_path):
+    from test_launchers import TINY_JOB, admit, local_command, manifests, operator_env
+
+    job = next(d for d in manifests("multi-node") if d["kind"] == "PyTorchJob")
+    admit(job)
+    job["spec"]["nprocPerNode"] = "1"  # one CPU process per pod on this machine
+    name, specs = job["metadata"]["name"], job["spec"]["pytorchReplicaSpecs"]
+    assert specs["Worker"]["restartPolicy"] == "OnFailure"
+    paths = {"/checkpoints": tmp_path / "checkpoints", "/data": tmp_path / "data"}
+    for p in paths.values():
+        p.mkdir()
+    pods = {f"{name}-{role.lower()}-{i}": (role, i) for role, spec in specs.items() for i in range(spec.get("replicas", 1))}
+
+    def start(bed: Bed, pod: str) -> Proc:
+        role, i = pods[pod]
+        template, variables = specs[role]["template"]["spec"], operator_env(job, role, i)
+        assert variables["MASTER_ADDR"] == f"{name}-master-0"  # resolved on every host, as the headless Service is
+        pod_env = env(**variables)
+        for init in template.get("initContainers", []):
+            assert bed.run(pod, local_command(init, variables, paths, TINY_JOB), env=pod_env, cwd=ROOT, timeout=120).returncode == 0
+        c = next(c for c in template["containers"] if c["name"] == "pytorch")
+        pod_env.update({e["name"]: e["value"] for e in c.get("env", [])})
+        extra = [*TINY_JOB, "train.epochs=24", "checkpoint.every_steps=8", "checkpoint.keep=50", "dist.hang_timeout_s=10"]
+        return Proc(bed, pod, local_command(c, variables, paths, extra), pod_env)
+
+    with Bed(len(pods), names=list(pods)) as bed:
+        running = {pod: start(bed, pod) for pod in pods}
+        master, worker = f"{name}-master-0", f"{name}-worker-0"
+        running[master].when(r"epoch 4/24 step 8/")
+        t_crash = time.time()
+        bed.crash(worker)  # the worker's container dies with everything in it
+        time.sleep(10)  # the kubelet's first back-off, then OnFailure starts the container again (same pod, same host)
+        running[worker] = start(bed, worker)
+        t_back = running[master].when(r"epoch \d+/24 step \d+/", after=running[master].when("resuming from", after=t_crash))
+        print(f"PyTorchJob: worker pod lost -> the master's next training step {t_back - t_crash:.1f} s later (10 s of it the pod was down)")
+        both_finish(list(running.values()))
+        assert "strategy ddp x2" in running[master].out and "done: step 384" in running[master].out
+    assert (paths["/checkpoints"] / name / "step-384" / "state.pt").is_file()
 
 
 def test_nothing_is_left_behind():

@@ -143,8 +143,8 @@ def kill_hung_workers(folder: Path, margin_s: float = HEARTBEAT_MARGIN_S) -> lis
             continue
         hb.unlink(missing_ok=True)  # once per worker
         state = _process_state(info["pid"])
-        if state is None:
-            continue  # gone already (its attempt ended)
+        if state is None or state.startswith(("Z", "X")):
+            continue  # gone already, or exited and not yet reaped by torchrun (its attempt is ending)
         line = (f"trainer torchrun: rank {info['rank']} (pid {info['pid']}, state {state}) has made no progress for {age:.0f} s "
                 f"after step {info['step']} and its own watchdog did not act (bound {info['bound_s']:.0f} s, dist.hang_timeout_s): "
                 "killing it so that torchrun restarts from the newest checkpoint")
