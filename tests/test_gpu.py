@@ -102,9 +102,9 @@ def test_resume_is_exact_on_two_gpus(tmp_path, case):
 # every launcher uses)
 
 
-def launch(ckpt: Path, *overrides: str) -> subprocess.Popen:
+def launch(ckpt: Path, *overrides: str, extra_env: dict | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "trainer", "launch", "--nproc-per-node", str(NPROC), *REAL, f"checkpoint.dir={ckpt}", *overrides]
-    return subprocess.Popen(cmd, cwd=ROOT, env=gpu_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    return subprocess.Popen(cmd, cwd=ROOT, env=gpu_env(**(extra_env or {})), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
 
 
 def worker(agent: subprocess.Popen, rank: int):
@@ -231,6 +231,41 @@ def test_a_hung_rank_is_detected_and_the_restart_finishes(tmp_path, reference):
     report("SIGSTOP of rank 1 mid-epoch 2 (a hung rank)", result="finished", exit=agent.returncode, recovery_s=rec,
            bound_s=TIMEOUT_S + HANG_MARGIN_S, test_acc=acc, reference_acc=reference)
     assert rec <= TIMEOUT_S + HANG_MARGIN_S
+    assert abs(acc - reference) <= ACC_NOISE
+
+
+# The hang watchdog (dist.hang_timeout_s) on the GPU: a worker that cannot act (SIGSTOP) is killed
+# by the supervisor at the bound plus its 10 s margin; one whose data read blocks writes its stacks
+# and exits 124 at the bound. Either way torchrun restarts the group, also with a single GPU, where
+# no collective times out.
+HANG_BOUND_S = 20
+
+
+def test_a_stopped_worker_is_caught_by_the_hang_watchdog_and_the_restart_finishes(tmp_path, reference):
+    ckpt = tmp_path / "ck"
+    agent = launch(ckpt, "model.compile=false", f"dist.hang_timeout_s={HANG_BOUND_S}", f"dist.timeout_s={10 * HANG_BOUND_S}")
+    out, stopped_at = follow(agent, MID_EPOCH_2, lambda: worker(agent, NPROC - 1).send_signal(signal.SIGSTOP))
+    assert stopped_at and agent.returncode == 0 and "resuming from" in out, out[-3000:]
+    assert "state T (stopped)" in out and (ckpt / f"hang-rank{NPROC - 1}.txt").is_file()
+    acc, rec = final_acc(ckpt), recovery_s(ckpt, stopped_at)
+    report(f"SIGSTOP of rank {NPROC - 1} of {NPROC} mid-epoch 2, hang watchdog {HANG_BOUND_S} s", result="finished", exit=agent.returncode,
+           recovery_s=rec, bound_s=HANG_BOUND_S + 30, test_acc=acc, reference_acc=reference)
+    assert rec <= HANG_BOUND_S + 30
+    assert abs(acc - reference) <= ACC_NOISE
+
+
+def test_a_blocked_data_read_leaves_stacks_and_the_restart_finishes(tmp_path, reference):
+    ckpt = tmp_path / "ck"
+    agent = launch(ckpt, "model.compile=false", f"dist.hang_timeout_s={HANG_BOUND_S}", f"dist.timeout_s={10 * HANG_BOUND_S}",
+                   extra_env={"TRAINER_FAULT": "batch@151:sleep=900"})  # the read after step 150 blocks on rank 0
+    out, hung_at = follow(agent, MID_EPOCH_2, lambda: None)
+    assert hung_at and agent.returncode == 0 and "resuming from" in out, out[-3000:]
+    stacks = (ckpt / "hang-rank0.txt").read_text()
+    assert "after step 150" in stacks and "crash_point" in stacks and "train_epoch" in stacks
+    acc, rec = final_acc(ckpt), recovery_s(ckpt, hung_at)
+    report(f"a data read that blocks on rank 0 of {NPROC} after step 150, hang watchdog {HANG_BOUND_S} s", result="finished",
+           exit=agent.returncode, recovery_s=rec, bound_s=HANG_BOUND_S + 30, test_acc=acc, reference_acc=reference)
+    assert rec <= HANG_BOUND_S + 30
     assert abs(acc - reference) <= ACC_NOISE
 
 
