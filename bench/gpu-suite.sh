@@ -13,7 +13,8 @@ case ${1:-start} in
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$LOG/machine.txt"
     # the device's copy of the tree has no history of its own: the caller names the commit
     echo "commit ${GPU_SUITE_COMMIT:-unknown}" >> "$LOG/machine.txt"
-    export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 GPU_REPORT=$LOG/report.jsonl
+    # the machine's own pytest plugins (pytest-timeout ...) may need another pytest than the carried one
+    export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 GPU_REPORT=$LOG/report.jsonl PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
     # shellcheck disable=SC2016  # expanded by the inner shell
     setsid bash -c 'python3 -m pytest -m gpu tests/test_gpu.py -v -rA -p no:cacheprovider "$@" > "$0/pytest.log" 2>&1; echo $? > "$0/rc"' "$LOG" "$@" &
@@ -24,4 +25,4 @@ case ${1:-start} in
     ;;
 esac
 if [ -n "${OUT:-}" ] && [ -d "$LOG" ]; then cp "$LOG"/* "$OUT"/ 2>/dev/null; fi
-grep -E "PASSED|FAILED|ERROR|GPU-REPORT|passed|failed" "$LOG/pytest.log" 2>/dev/null | tail -40
+^grep -E "PASSED|FAILED|ERROR|GPU-REPORT|passed|failed" "$LOG/pytest.log" 2>/dev/null | tail -40
