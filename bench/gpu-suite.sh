@@ -9,7 +9,7 @@ case ${1:-start} in
   start)
     shift || true
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-    mkdir -p "$LOG"
+    rm -rf "$LOG" && mkdir -p "$LOG"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$LOG/machine.txt"
     # the device's copy of the tree has no history of its own: the caller names the commit
     echo "commit ${GPU_SUITE_COMMIT:-unknown}" >> "$LOG/machine.txt"
