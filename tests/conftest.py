@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -64,6 +65,25 @@ def run(cmd: list[str], timeout: float = 300, check: bool = True, **kw) -> subpr
 def train(ckpt: Path, *overrides: str, nproc: int = 1, **kw) -> subprocess.CompletedProcess:
     args = ("train", *TINY, f"checkpoint.dir={ckpt}", *overrides)
     return run(torchrun_cmd(nproc, *args) if nproc > 1 else trainer_cmd(*args), **kw)
+
+
+def workers(agent: subprocess.Popen) -> dict[int, psutil.Process]:
+    """The training processes under a launcher (torchrun, trainer launch), by rank."""
+    out = {}
+    for p in psutil.Process(agent.pid).children(recursive=True):
+        try:
+            rank = p.environ().get("RANK")
+            if rank is not None and "trainer" in " ".join(p.cmdline()):
+                out[int(rank)] = p
+        except psutil.Error:
+            continue
+    return out
+
+
+def worker(agent: subprocess.Popen, rank: int) -> psutil.Process:
+    found = workers(agent)
+    assert rank in found, f"no worker of rank {rank} under {agent.pid}: {sorted(found)}"
+    return found[rank]
 
 
 def newest(ckpt: Path) -> Path:

@@ -211,20 +211,7 @@ class SlurmCluster:
         d = self.dir
         self.conf.write_text(f"""ClusterName=bed
 SlurmctldHost=ctl({bed.addr['ctl']})
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
-CredType=cred/munge
-AuthInfo=cred_expire=10
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-SchedulerType=sched/backfill
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-MpiDefault=none
-ReturnToService=2
-JobRequeue=1
-KillWait=30
+Include {Path(__file__).resolve().parent / 'slurm' / 'common.conf'}
 SlurmdTimeout={slurmd_timeout_s}
 StateSaveLocation={d}/ctld
 SlurmdSpoolDir={d}/spool-%n

@@ -13,10 +13,9 @@ import threading
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
-from conftest import ROOT, TINY, env, newest, record_fault, run, torchrun_cmd, trainer_cmd, tree_files, weights
+from conftest import ROOT, TINY, env, newest, record_fault, run, torchrun_cmd, trainer_cmd, tree_files, weights, workers
 
 pytestmark = pytest.mark.slow
 
@@ -33,18 +32,6 @@ def start(ckpt: Path, *overrides: str, restarts: int = 2, extra_env: dict | None
 def global_step(line: str) -> int | None:
     m = LINE.search(line)
     return (int(m.group(1)) - 1) * int(m.group(3)) + int(m.group(2)) if m else None
-
-
-def workers(agent: subprocess.Popen) -> dict[int, psutil.Process]:
-    out = {}
-    for p in psutil.Process(agent.pid).children(recursive=True):
-        try:
-            rank = p.environ().get("RANK")
-        except psutil.Error:
-            continue
-        if rank is not None and "trainer" in " ".join(p.cmdline()):
-            out[int(rank)] = p
-    return out
 
 
 def drive(agent: subprocess.Popen, on_line=None, timeout: float = 300) -> str:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BF16_DDP, ROOT, TINY, env, same_training
+from conftest import BF16_DDP, ROOT, TINY, env, same_training, worker
 from test_resume import check_resume
 
 GPUS = torch.cuda.device_count()
@@ -105,18 +105,6 @@ def test_resume_is_exact_on_two_gpus(tmp_path, case):
 def launch(ckpt: Path, *overrides: str, extra_env: dict | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "trainer", "launch", "--nproc-per-node", str(NPROC), *REAL, f"checkpoint.dir={ckpt}", *overrides]
     return subprocess.Popen(cmd, cwd=ROOT, env=gpu_env(**(extra_env or {})), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-
-
-def worker(agent: subprocess.Popen, rank: int):
-    import psutil
-
-    for p in psutil.Process(agent.pid).children(recursive=True):
-        try:
-            if p.environ().get("RANK") == str(rank) and "trainer" in " ".join(p.cmdline()):
-                return p
-        except psutil.Error:
-            continue
-    raise AssertionError(f"no worker of rank {rank} under {agent.pid}")
 
 
 def follow(agent: subprocess.Popen, when: str | None = None, act=None, timeout: float = 540) -> tuple[str, float | None]:

@@ -78,8 +78,7 @@ def node(bed: Bed, host: str, ckpt: Path, job_id: str, *overrides: str, nnodes: 
 def bed():
     with Bed(2, decoy=True) as b:
         yield b
-        leftovers = b.leftovers
-    assert not leftovers(), "the bed left namespaces behind"
+    assert not b.leftovers(), "the bed left namespaces behind"
 
 
 def both_finish(nodes: list[Proc], timeout: float = 300) -> None:

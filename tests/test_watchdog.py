@@ -13,12 +13,11 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
-from conftest import ROOT, TINY, env, trainer_cmd
+from conftest import ROOT, TINY, env, trainer_cmd, worker
 
 from trainer import watchdog
-from trainer.launch import EXIT_HUNG, kill_hung_workers
+from trainer.launch import EXIT_HUNG, HEARTBEAT_MARGIN_S, kill_hung_workers
 from trainer.watchdog import Watchdog
 
 
@@ -108,7 +107,7 @@ def test_the_supervisor_kills_a_stopped_worker_past_its_bound_and_no_other(tmp_p
 
 
 def test_the_supervisor_margin_lets_the_worker_go_first():
-    assert watchdog.TICK_S * 5 < 10.0  # faulthandler's backstop fires within the margin too
+    assert watchdog.TICK_S * 5 < HEARTBEAT_MARGIN_S  # faulthandler's backstop fires within the margin too
 
 
 # ------------------------------------------------------------------------------------------------
@@ -139,16 +138,6 @@ def follow(agent: subprocess.Popen, on_line=None, timeout: float = 240) -> tuple
             os.killpg(agent.pid, signal.SIGKILL)
         agent.wait(30)
     return "".join(lines)
-
-
-def worker(agent: subprocess.Popen, rank: int) -> psutil.Process:
-    for p in psutil.Process(agent.pid).children(recursive=True):
-        try:
-            if p.environ().get("RANK") == str(rank) and "trainer" in " ".join(p.cmdline()):
-                return p
-        except psutil.Error:
-            continue
-    raise AssertionError(f"no worker of rank {rank}")
 
 
 @pytest.mark.slow

@@ -20,21 +20,7 @@ install -d /etc/slurm /var/spool/slurmctld /var/spool/slurmd /var/log/slurm
 cat > /etc/slurm/slurm.conf <<CONF
 ClusterName=ci
 SlurmctldHost=${host}
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
-CredType=cred/munge
-# A requeued job may start again once its credential expires: 10 s instead of 120 s for tests.
-AuthInfo=cred_expire=10
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-SchedulerType=sched/backfill
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-MpiDefault=none
-ReturnToService=2
-JobRequeue=1
-KillWait=30
+Include $(cd "$(dirname "$0")" && pwd)/common.conf
 StateSaveLocation=/var/spool/slurmctld
 SlurmdSpoolDir=/var/spool/slurmd
 SlurmctldPidFile=/run/slurmctld.pid
