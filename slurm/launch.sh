@@ -1,6 +1,7 @@
 # shellcheck shell=bash
 # Sourced by slurm/ddp.sh and slurm/single.sh inside the batch job: runs one torchrun per node with
-# `srun`, forwards preemption to it, and requeues the job when Slurm warned of the time limit.
+# `srun`, forwards preemption to it, and requeues the job when it stopped after saving because Slurm
+# warned of the time limit (USR1) or preempted it (SIGTERM).
 #
 # Environment (all optional):
 #   CONFIG=configs/default.yaml   trainer config file (relative to the repository)
@@ -34,6 +35,10 @@ LOCAL_ADDR=${LOCAL_ADDR:-auto}
 # torchrun's restarts reuse the c10d rendezvous store, whose stale keys from the failed attempt
 # make the new process group connect to dead ranks; a fresh store per attempt avoids it.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+
+# the first step's record reports the seconds since this moment (the batch job's start)
+TRAINER_COMMAND_START=${TRAINER_COMMAND_START:-$(date +%s.%N)}
+export TRAINER_COMMAND_START
 
 cd "$REPO"
 if [ -z "${CONTAINER_IMAGE:-}${APPTAINER_IMAGE:-}" ] && [ -f "${VENV:-$REPO/.venv}/bin/activate" ]; then
@@ -77,10 +82,10 @@ if [ -z "${CONTAINER_IMAGE:-}${APPTAINER_IMAGE:-}" ]; then
     python -m trainer check --config "$CONFIG" checkpoint.dir="$ckpt_dir" data.dir="$data_dir" "$@"
 fi
 
-preempted=0
+requeue=0
 # shellcheck disable=SC2329  # called by the trap
 on_usr1() {
-    preempted=1
+    requeue=1
     echo "slurm: time limit near (USR1); asking the job step to checkpoint and stop"
     scancel --signal=TERM "$SLURM_JOB_ID"   # reaches torchrun in every step; it forwards to workers
 }
@@ -103,9 +108,16 @@ while [ "$rc" -gt 128 ] && kill -0 "$srun_pid" 2>/dev/null; do   # a trapped sig
 done
 set -e
 
-if [ "$preempted" = 1 ]; then
+# Preemption (PreemptMode=REQUEUE, with GraceTime) signals the steps only: they save and exit 75, and
+# a job that ends within its grace time ends FAILED, not requeued. Slurm has stamped its PreemptTime.
+if [ "$rc" = 75 ] && scontrol show job "$SLURM_JOB_ID" | grep -q 'PreemptTime=[0-9]'; then
+    echo "slurm: preempted; the job step saved a checkpoint"
+    requeue=1
+fi
+if [ "$requeue" = 1 ] && [ "$rc" != 0 ] && [ "$rc" != 2 ]; then   # not when it finished, nor on bad input
     echo "slurm: requeueing job $SLURM_JOB_ID; it resumes from $ckpt_dir"
-    scontrol requeue "$SLURM_JOB_ID"
-    exit 0
+    if scontrol requeue "$SLURM_JOB_ID"; then
+        exit 0
+    fi   # a cancelled job cannot be requeued: it stays stopped, with the contract's 75
 fi
 exit "$rc"

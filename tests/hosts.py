@@ -25,6 +25,7 @@ import atexit
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -76,6 +77,11 @@ def sweep() -> list[str]:
         if owner.isdigit() and not Path(f"/proc/{owner}").exists():
             _delete(ns)
             gone.append(ns)
+    for d in Path(tempfile.gettempdir()).glob(f"{PREFIX}*"):  # the beds' host files
+        owner = d.name[len(PREFIX):].split("-", 1)[0]
+        if d.is_dir() and owner.isdigit() and not Path(f"/proc/{owner}").exists():
+            shutil.rmtree(d, ignore_errors=True)
+            gone.append(str(d))
     return gone
 
 
@@ -150,6 +156,7 @@ class Bed:
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
+        shutil.rmtree(self.dir, ignore_errors=True)
         atexit.unregister(self.close)
 
     # ---------------------------------------------------------------------------------------------
@@ -193,14 +200,15 @@ class Bed:
         _ip("-n", self.switch, "link", "set", self.port(host), "up")
 
     def leftovers(self) -> list[str]:
-        """Namespaces of this bed still there (empty after close)."""
-        return [ns for ns in namespaces() if ns.startswith(self.tag)]
+        """Namespaces and files of this bed still there (empty after close)."""
+        return [ns for ns in namespaces() if ns.startswith(self.tag)] + ([str(self.dir)] if self.dir.exists() else [])
 
 
 class SlurmCluster:
     """A real Slurm cluster on a bed: slurmctld on host ``ctl``, one ``slurmd -N <host>`` on each
     other host (NodeAddr its address; spool, pid and log files per node), the machine's munged
-    reused. Client commands run on a host of the bed with this cluster's SLURM_CONF."""
+    reused. Client commands run on a host of the bed with this cluster's SLURM_CONF. Jobs of the
+    default partition ``bed`` are preempted (SIGTERM, 60 s of grace, requeued) by jobs of ``urgent``."""
 
     def __init__(self, bed: Bed, cpus: int, mem_mb: int = 1000, slurmd_timeout_s: int = 10):
         self.bed, self.nodes = bed, [h for h in bed.names if h != "ctl"]
@@ -219,7 +227,10 @@ SlurmctldPidFile={d}/slurmctld.pid
 SlurmdPidFile={d}/slurmd-%n.pid
 SlurmctldLogFile={d}/slurmctld.log
 SlurmdLogFile={d}/slurmd-%n.log
-{nodes}PartitionName=bed Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+{nodes}PartitionName=bed Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1 GraceTime=60
+PartitionName=urgent Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
 """)
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
         bed.popen("ctl", ["slurmctld", "-D", "-f", str(self.conf)], env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -258,6 +269,6 @@ if __name__ == "__main__":
     if "--sweep" in sys.argv:
         print("\n".join(sweep()) or "nothing left behind")
     if "--check" in sys.argv:
-        left = [ns for ns in namespaces() if ns.startswith(PREFIX)]
-        print("\n".join(left) or "no test-bed namespace left")
+        left = [ns for ns in namespaces() if ns.startswith(PREFIX)] + [str(d) for d in Path(tempfile.gettempdir()).glob(f"{PREFIX}*")]
+        print("\n".join(left) or "no test-bed namespace or folder left")
         sys.exit(1 if left else 0)

@@ -284,3 +284,74 @@ def test_a_missing_home_is_replaced_by_a_private_writable_one(tmp_path, monkeypa
     assert home.stat().st_mode & 0o777 == 0o700
     writable_home()  # a writable HOME is kept
     assert os.environ["HOME"] == str(home)
+
+
+# An agent left blocked on a rendezvous store it cannot reach: a real process whose child has
+# exited and was never reaped (what a torchrun agent stuck in a store read looks like from outside).
+AGENT = """import os, time
+if os.fork() == 0:
+    os._exit(124)
+time.sleep(60)
+"""
+
+
+@pytest.fixture
+def agent():
+    p = subprocess.Popen([sys.executable, "-c", AGENT])
+    yield p
+    p.kill()
+    p.wait()
+
+
+def test_an_agent_left_without_a_live_worker_past_its_rendezvous_bound_is_named(agent, monkeypatch):
+    from trainer import launch
+
+    monkeypatch.setattr(launch, "LOST_RENDEZVOUS_MARGIN_S", 1.5)
+    p = agent
+    watch = launch.LostRendezvous(["--rdzv-endpoint=node0:29400", "--rdzv-conf=join_timeout=1,read_timeout=1"], p.pid)
+    assert watch.bound_s == 2.5
+    assert watch.check() == ""  # within the bound
+    deadline = time.time() + 10
+    while time.time() < deadline and [c.status() for c in psutil.Process(p.pid).children()] != [psutil.STATUS_ZOMBIE]:
+        time.sleep(0.05)
+    assert launch._has_children(p.pid) is False  # its exited, unreaped child is no worker
+    time.sleep(2.6)
+    line = watch.check()
+    assert "no worker has run on this node for 3 s" in line and "rendezvous at node0:29400" in line
+    assert "(join_timeout 1 s)" in line and "exiting 1" in line
+
+
+def test_an_agent_with_a_live_worker_is_left_alone(monkeypatch):
+    from trainer import launch
+
+    monkeypatch.setattr(launch, "LOST_RENDEZVOUS_MARGIN_S", 0.0)
+    p = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; subprocess.run([sys.executable, '-c', 'import time; time.sleep(60)'])"])
+    try:
+        deadline = time.time() + 10
+        while time.time() < deadline and not psutil.Process(p.pid).children():
+            time.sleep(0.05)
+        watch = launch.LostRendezvous(["--rdzv-conf=join_timeout=0"], p.pid)
+        time.sleep(0.5)
+        assert launch._has_children(p.pid) is True and watch.check() == ""
+        assert launch.LostRendezvous([], p.pid).bound_s == 600 + launch.LOST_RENDEZVOUS_MARGIN_S  # torchrun's default
+    finally:
+        for c in psutil.Process(p.pid).children(recursive=True):
+            c.kill()
+        p.kill()
+        p.wait()
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--nnodes", "2", "--rdzv-backend=c10d", "-m", "trainer", "train"],
+     ["--rdzv-conf=read_timeout=600", "--nnodes", "2", "--rdzv-backend=c10d", "-m", "trainer", "train"]),
+    (["--rdzv-backend", "c10d", "--rdzv-conf", "join_timeout=30", "-m", "trainer", "train", "a=1"],
+     ["--rdzv-conf=join_timeout=30,read_timeout=30", "--rdzv-backend", "c10d", "-m", "trainer", "train", "a=1"]),
+    (["--rdzv_backend=c10d", "--rdzv_conf=read_timeout=5", "-m", "trainer"], ["--rdzv_backend=c10d", "--rdzv_conf=read_timeout=5", "-m", "trainer"]),
+    (["--standalone", "-m", "trainer"], ["--standalone", "-m", "trainer"]),
+])
+def test_store_reads_wait_as_long_as_the_rendezvous(argv, expected):
+    """A store read that times out on a cut link leaves the agent's connection out of step
+    (tests/test_hosts.py shows the job ending): reads wait as long as join_timeout, unless given."""
+    from trainer.launch import with_long_store_reads
+
+    assert with_long_store_reads(argv) == expected

@@ -5,6 +5,7 @@ import os
 import pty
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -151,3 +152,25 @@ def test_a_resumed_epochs_figures_say_they_cover_part_of_it(ckpt):
     assert "epoch 1/1 | train loss" in p.stdout and "(steps 11-16, after a resume)" in p.stdout, p.stdout
     last = [json.loads(x) for x in (ckpt / "metrics.jsonl").read_text().splitlines() if '"epoch"' in x][-1]
     assert last["resumed_at_epoch_step"] == 10 and last["steps"] == 6
+
+
+def test_a_resume_from_an_epochs_last_step_only_evaluates_that_epoch(ckpt):
+    """Killed after the epoch's last step was saved, before its evaluation: the resumed run has no
+    training figures for that epoch to report, and says so instead of a loss of 0 at 0 img/s."""
+    killed = train(ckpt, "train.epochs=2", "checkpoint.every_steps=16", env=env(TRAINER_FAULT="batch@17:kill"), check=False)
+    assert killed.returncode == -9 and (ckpt / "step-16").is_dir(), killed.stderr[-2000:]
+    p = train(ckpt, "train.epochs=2")
+    line = next(x for x in p.stdout.splitlines() if x.startswith("epoch 1/2 |"))
+    assert line.startswith("epoch 1/2 | train steps all done before the resume | test acc") and "img/s" not in line, p.stdout
+    first = next(json.loads(x) for x in (ckpt / "metrics.jsonl").read_text().splitlines() if '"epoch": 1,' in x and '"event": "epoch"' in x)
+    assert first["steps"] == 0 and first["train_loss"] is None and first["test_acc"] is not None
+    assert "epoch 2/2 | train loss" in p.stdout
+
+
+def test_the_first_step_is_timed_from_the_command_as_well_as_from_the_worker(ckpt):
+    """What a user feels (imports, launcher, data) and what the worker measures, both in the record."""
+    t0 = time.time()
+    train(ckpt, "train.epochs=1", "train.max_steps=2")
+    wall = time.time() - t0
+    first = next(json.loads(x) for x in (ckpt / "metrics.jsonl").read_text().splitlines() if '"first_step"' in x)
+    assert 0 < first["seconds"] < first["since_command_s"] < wall, (first, wall)

@@ -205,6 +205,7 @@ def bench(ctx):
 
 
 def entry() -> None:
+    os.environ.setdefault("TRAINER_COMMAND_START", repr(time.time()))  # `trainer ...` (python -m trainer stamps it earlier)
     writable_home()
     main(args=strip_local_rank(sys.argv[1:]), prog_name="trainer")
 

@@ -20,6 +20,8 @@ under :func:`supervise` (``trainer torchrun ...``, which ``trainer launch`` uses
 
 A worker that makes no progress and cannot act on it itself (stopped, frozen) is killed here, so
 torchrun restarts the group (see trainer/watchdog.py: its heartbeat files in ``$TRAINER_EXIT_DIR``).
+An agent left without workers longer than its rendezvous can take (it waits on a first node it
+cannot reach, for ever) is ended with a crash code (:class:`LostRendezvous`).
 
 Workers die with torchrun, and torchrun with us (``PR_SET_PDEATHSIG``): kill -9 of a launcher
 leaves no orphan training on, and writing into a folder a relaunch already uses.
@@ -162,6 +164,53 @@ def kill_hung_workers(folder: Path, margin_s: float = HEARTBEAT_MARGIN_S) -> lis
     return said
 
 
+LOST_RENDEZVOUS_MARGIN_S = 60.0
+"""Past the longest legitimate wait of an agent without workers (its rendezvous' join_timeout)."""
+
+
+class LostRendezvous:
+    """Notices a torchrun agent that has had no worker for longer than its rendezvous can take: it is
+    blocked on a store it cannot reach (the first node's network is cut, or that node is gone), where
+    torchrun itself retries the read for ever. The first node's agent gives up at join_timeout on its
+    own; this gives the others the same end, a crash code their scheduler retries."""
+
+    def __init__(self, torchrun_args: list[str], pid: int):
+        self.join_s = float(rdzv_conf(torchrun_args).get("join_timeout", 600))
+        self.bound_s = self.join_s + LOST_RENDEZVOUS_MARGIN_S
+        self.endpoint = _option(torchrun_args, "rdzv-endpoint", "127.0.0.1:29400") or "127.0.0.1:29400"
+        self.pid, self.since = pid, time.monotonic()
+
+    def check(self) -> str:
+        """'' while all is well; else the line to say before ending torchrun."""
+        workers = _has_children(self.pid)
+        if workers is None or workers:  # None: no /proc to tell (not Linux): never act on a guess
+            self.since = time.monotonic()
+            return ""
+        idle = time.monotonic() - self.since
+        if idle <= self.bound_s:
+            return ""
+        return (f"trainer torchrun: no worker has run on this node for {idle:.0f} s and torchrun still waits on the rendezvous "
+                f"at {self.endpoint} (join_timeout {self.join_s:.0f} s): the first node is unreachable or gone; "
+                f"exiting {EXIT_CRASH} so that the scheduler starts the job again")
+
+
+def _has_children(pid: int) -> bool | None:
+    """Whether the process has a live child now (exited ones it has not reaped do not count: a
+    blocked agent never reaps its dead worker); None if /proc cannot say."""
+    tasks = Path(f"/proc/{pid}/task")
+    if not tasks.is_dir():
+        return None
+    files, children = list(tasks.glob("*/children")), []
+    if not files:  # a kernel without CONFIG_PROC_CHILDREN
+        return None
+    for f in files:
+        try:
+            children += f.read_text().split()
+        except OSError:
+            continue
+    return any(not (_process_state(int(c)) or "Z").startswith(("Z", "X")) for c in children)
+
+
 def _process_state(pid: int) -> str | None:
     """The state letter and name from /proc (T (stopped), D (disk sleep), ...), or None if gone."""
     try:
@@ -190,6 +239,7 @@ def supervise(torchrun_args: list[str], poll_s: float = 0.5, grace_s: float = 60
     """Run ``torchrun ARGS`` and return the contract's exit code (see the module docstring)."""
     exit_dir = Path(tempfile.mkdtemp(prefix="trainer-exit-"))
     env = {**os.environ, EXIT_DIR_ENV: str(exit_dir)}
+    torchrun_args = with_long_store_reads(torchrun_args)
     cmd = [sys.executable, "-m", "trainer.launch", *torchrun_args]  # torchrun itself, see _torchrun
     got: list[int] = []
 
@@ -207,7 +257,7 @@ def supervise(torchrun_args: list[str], poll_s: float = 0.5, grace_s: float = 60
 
     proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=die_with_parent)
     previous = {s: signal.signal(s, on_signal) for s in FORWARDED}
-    stopped_for_usage = False
+    stopped_for_usage, watch = False, LostRendezvous(torchrun_args, proc.pid)
     try:
         while True:
             try:
@@ -216,6 +266,13 @@ def supervise(torchrun_args: list[str], poll_s: float = 0.5, grace_s: float = 60
             except subprocess.TimeoutExpired:
                 pass
             kill_hung_workers(exit_dir)
+            lost = watch.check()
+            if lost:
+                print(lost, file=sys.stderr, flush=True)
+                proc.kill()  # it has no worker left to stop
+                proc.wait()
+                code = EXIT_CRASH
+                break
             if EXIT_USAGE in recorded(exit_dir):  # bad input: torchrun would retry it as a crash
                 _say_usage_error(exit_dir)
                 stopped_for_usage = True
@@ -253,13 +310,40 @@ def _option(argv: list[str], name: str, default: str = "") -> str:
     return default
 
 
+def rdzv_conf(argv: list[str]) -> dict[str, str]:
+    """torchrun's --rdzv-conf K=V,K=V as a dict."""
+    return dict(kv.split("=", 1) for kv in _option(argv, "rdzv-conf").split(",") if "=" in kv)
+
+
+def with_long_store_reads(argv: list[str]) -> list[str]:
+    """torchrun's arguments with c10d store reads that wait as long as the rendezvous does
+    (read_timeout = join_timeout, unless given). With the default 60 s, a read that times out on a
+    cut link leaves the agent's store connection out of step: when the link comes back, the agent
+    fails and closes the rendezvous for every node, so a cut over a minute would end the job."""
+    if _option(argv, "rdzv-backend") != "c10d":
+        return argv
+    conf = rdzv_conf(argv)
+    if "read_timeout" in conf:
+        return argv
+    conf["read_timeout"] = conf.get("join_timeout", "600")
+    out, i = [], 0
+    while i < len(argv):  # drop the given --rdzv-conf; the merged one goes first, among torchrun's options
+        key, eq, _ = argv[i].partition("=")
+        if key in ("--rdzv-conf", "--rdzv_conf"):
+            i += 1 if eq else 2
+            continue
+        out.append(argv[i])
+        i += 1
+    return [f"--rdzv-conf={','.join(f'{k}={v}' for k, v in conf.items())}", *out]
+
+
 def rendezvous_failure(argv: list[str], error: BaseException) -> str:
     """One line for a rendezvous that could not form: what happened, where, and the fix."""
     from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousTimeoutError
 
     endpoint = _option(argv, "rdzv-endpoint", "127.0.0.1:29400") or "127.0.0.1:29400"
     nodes, job = _option(argv, "nnodes", "1"), _option(argv, "rdzv-id", "none")
-    conf = dict(kv.split("=", 1) for kv in _option(argv, "rdzv-conf").split(",") if "=" in kv)
+    conf = rdzv_conf(argv)
     if isinstance(error, RendezvousTimeoutError):
         return (f"torchrun: the rendezvous at {endpoint} (id {job}) did not gather {nodes} nodes within "
                 f"{conf.get('join_timeout', '600')} s: start the same command on every node (same --rdzv-id, and "

@@ -18,7 +18,7 @@ from trainer.dist import Runtime, all_reduce_sum, barrier
 from trainer.faults import crash_point
 from trainer.launch import EXIT_PREEMPTED
 from trainer.loader import Augment, eval_batches
-from trainer.metrics import StepProfiler, StepTimer, plot_curves
+from trainer.metrics import StepProfiler, StepTimer, plot_curves, since_command
 from trainer.setup import Run
 
 
@@ -130,7 +130,7 @@ class Trainer:
             clock.mark("compile_cache_seal (after the first-step clock)")
         if r.compile_cache != "off":
             r.say.line(f"compile cache {r.compile_key}: {r.compile_cache}" + (f"; sealed {cache_bytes / 2**20:.1f} MiB for restarts" if cache_bytes else ""))
-        r.log.write({"event": "first_step", "seconds": round(self.first_step_s, 3), "compiled": r.fast.compile,
+        r.log.write({"event": "first_step", "seconds": round(self.first_step_s, 3), "since_command_s": since_command(), "compiled": r.fast.compile,
                      "compile_cache": r.compile_cache, "compile_cache_bytes": cache_bytes,
                      "startup_s": clock.phases, "compile_s": clock.compile_seconds() if r.fast.compile else {}})
 
@@ -191,7 +191,7 @@ class Trainer:
             if self.first_step_s is None:
                 _ = loss.item()  # one-time sync: time to first step includes compilation
                 self.first_step_s = time.perf_counter() - r.started_at
-                r.log.write({"event": "first_step", "seconds": round(self.first_step_s, 3)})
+                r.log.write({"event": "first_step", "seconds": round(self.first_step_s, 3), "since_command_s": since_command()})
             now = time.perf_counter()  # a host clock read, no sync
             if st.step % cfg.train.log_every == 0 or (cfg.train.log_seconds and now - window_start >= cfg.train.log_seconds):
                 value = (window_loss / window).item()  # CPU-GPU sync point, once per log line
@@ -217,7 +217,7 @@ class Trainer:
         data_ms, step_ms = self.timer.read_ms()
         mean_loss = all_reduce_sum(self.rt, torch.stack([loss_sum, torch.tensor(float(steps), device=self.rt.device)]))
         self.epoch_stats = {
-            "train_loss": round((mean_loss[0] / mean_loss[1].clamp(min=1)).item(), 5),
+            "train_loss": round((mean_loss[0] / mean_loss[1]).item(), 5) if steps else None,  # None: every step ran before a resume
             "train_seconds": round(seconds, 3), "steps": steps,
             "images_per_s": round(steps * cfg.train.batch_size / seconds, 1) if steps else None,
             "data_ms_per_step": round(data_ms / steps, 4) if steps else None,
@@ -240,12 +240,17 @@ class Trainer:
                   "test_loss": None if test_loss is None else round(test_loss, 5), "test_acc": None if test_acc is None else round(test_acc, 5)}
         self.r.log.write(record)
         acc = "" if test_acc is None else f" | test acc {100 * test_acc:.2f}%"
-        ips = self.epoch_stats["images_per_s"] or 0
-        part = f" (steps {self.resumed_at + 1}-{self.resumed_at + self.epoch_stats['steps']}, after a resume)" if self.resumed_at else ""
-        self.r.say.line(f"epoch {epoch + 1}/{cfg.train.epochs} | train loss {self.epoch_stats['train_loss']:.4f}{part}{acc} | {ips:,.0f} img/s | {self.epoch_stats['train_seconds']:.1f}s")
+        self.r.say.line(f"epoch {epoch + 1}/{cfg.train.epochs} | {self._train_figures(acc)}")
         every = cfg.checkpoint.every_epochs
         if not last and every and (epoch + 1) % every == 0:
             self.save()
+
+    def _train_figures(self, acc: str) -> str:
+        stats = self.epoch_stats
+        if not stats["steps"]:  # resumed from a checkpoint of the epoch's last step: only its evaluation was left
+            return f"train steps all done before the resume{acc}"
+        part = f" (steps {self.resumed_at + 1}-{self.resumed_at + stats['steps']}, after a resume)" if self.resumed_at else ""
+        return f"train loss {stats['train_loss']:.4f}{part}{acc} | {stats['images_per_s']:,.0f} img/s | {stats['train_seconds']:.1f}s"
 
     def reserve(self) -> None:
         """Pinned host buffers for async saves, once the optimizer state exists (after a step):

@@ -7,6 +7,7 @@ CPU-GPU sync point, so it happens every ``train.log_every`` steps, not every ste
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -14,6 +15,20 @@ from pathlib import Path
 import torch
 
 from trainer.dist import Runtime
+
+COMMAND_START_ENV = "TRAINER_COMMAND_START"
+
+
+def since_command() -> float | None:
+    """Seconds since the command started (trainer/__main__.py stamps it), as a user feels a start;
+    None after torchrun restarted the workers (their command started long before) or without the stamp."""
+    stamp = os.environ.get(COMMAND_START_ENV)
+    if not stamp or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return None
+    try:
+        return round(time.time() - float(stamp), 3)
+    except ValueError:
+        return None
 
 
 class Startup:
@@ -269,7 +284,8 @@ def plot_curves(log: RunLog, png: Path) -> Path | None:
 
     epochs = sorted(by_epoch)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    ax1.plot(epochs, [by_epoch[e]["train_loss"] for e in epochs], marker="o")
+    losses = [(e, by_epoch[e]["train_loss"]) for e in epochs if by_epoch[e].get("train_loss") is not None]
+    ax1.plot([a for a, _ in losses], [b for _, b in losses], marker="o")
     ax1.set(xlabel="epoch", ylabel="train loss", title="Training loss")
     acc = [(e, by_epoch[e]["test_acc"]) for e in epochs if by_epoch[e].get("test_acc") is not None]
     if acc:

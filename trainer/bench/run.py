@@ -16,6 +16,7 @@ trace (DDP variants: step time and how much of the all-reduce overlaps compute),
 seednet (our trainer: batch 64 and 256 per GPU, DDP and FSDP, the fast path on and off), stall
 (async against sync checkpoint), recipes (the speed recipe on real data), resnet18 (the
 default recipe on real data, all GPUs), resnet18-scaling (the default recipe on one GPU, then on all),
+restart (command -> first step, cold on a fresh node then warm from the volume, every shipped config),
 seednet-weights (bf16 working weights, masters updated in DDP's hook against after backward, beside the
 article's DDP; batch 1024; --more: one GPU, fp32 weights, without CUDA graphs), resnet18-ddp-diagnosis (one GPU at two GPUs' per-GPU batch; a profile of two).
 """
@@ -136,9 +137,53 @@ def recipe(out: Path, tmp: Path, name: str, gpus: int, config: str, data: str, e
                  "first_step_s": next((r["seconds"] for r in rows if r.get("event") == "first_step"), None)})
 
 
+SHIPPED_CONFIGS = ("configs/default.yaml", "configs/fast.yaml", "configs/seed.yaml")
+NODE_CACHES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "CUDA_CACHE_PATH", "XDG_CACHE_HOME", "TRAINER_COMMAND_START")
+
+
+def restart(out: Path, tmp: Path, gpus: int, config: str, data: str, steps: int = 2) -> None:
+    """A start as a user feels it, from the `trainer launch` command to the first training step:
+    cold (a fresh node: empty HOME and TMPDIR, so no inductor, Triton or CUDA caches; an empty
+    volume), then warm (another fresh node, the same volume: the checkpoint and the compile cache)."""
+    name = "restart-" + Path(config).stem
+    volume = tmp / name
+
+    def start(node: str, max_steps: int) -> dict:
+        home = tmp / f"{name}-{node}-home"
+        (home / "tmp").mkdir(parents=True)
+        env = {k: v for k, v in os.environ.items() if k not in NODE_CACHES}
+        env.update(HOME=str(home), TMPDIR=str(home / "tmp"), BENCH_OUT=str(out / "results.jsonl"))
+        cmd = [sys.executable, "-m", "trainer", "launch", "--nproc-per-node", str(gpus), "--config", config, "data.name=imagefolder",
+               f"data.dir={data}", f"data.cache_dir={volume / 'data-cache'}", f"checkpoint.dir={volume / 'ck'}", f"train.max_steps={max_steps}",
+               "train.plot=false", "checkpoint.every_steps=1"]
+        t0 = time.time()
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+        (out / "logs").mkdir(exist_ok=True)
+        (out / "logs" / f"{name}-{node}.log").write_text(p.stdout + p.stderr)
+        rows = [json.loads(x) for x in (volume / "ck" / "metrics.jsonl").read_text().splitlines()] if (volume / "ck" / "metrics.jsonl").exists() else []
+        first = [r for r in rows if r.get("event") == "first_step"]
+        if p.returncode or not first:
+            print(f"   {name} {node}: exit {p.returncode}\n   " + "\n   ".join((p.stdout + p.stderr).strip().splitlines()[-6:]), flush=True)
+            return {"exit": p.returncode}
+        f = first[-1]
+        return {"exit": 0, "command_to_first_step_s": f.get("since_command_s") or round(f["time"] - t0, 3), "worker_first_step_s": f["seconds"],
+                "compile_cache": f.get("compile_cache"), "startup_s": f.get("startup_s"), "compile_s": f.get("compile_s"), "wall_s": round(time.time() - t0, 1)}
+
+    cold = start("cold", steps)
+    warm = start("warm", steps + 2) if cold["exit"] == 0 else {"exit": None}
+    ratio = round(warm["command_to_first_step_s"] / cold["command_to_first_step_s"], 3) if warm.get("exit") == 0 else None
+    append(out, {"run": name, "gpus": gpus, "config": config, "cold": cold, "warm": warm, "warm_over_cold": ratio})
+    print(f"[{time.strftime('%H:%M:%S')}] {name}: cold {cold.get('command_to_first_step_s')} s, warm {warm.get('command_to_first_step_s')} s, "
+          f"ratio {ratio}", flush=True)
+    shutil.rmtree(volume, ignore_errors=True)
+
+
 def suites(args, out: Path, tmp: Path, gpus: int) -> None:
     chosen = set(args.suite.split(","))
     data = args.data or "../shared/data"
+    if "restart" in chosen:  # command -> first step, cold and warm, every shipped config
+        for config in SHIPPED_CONFIGS:
+            restart(out, tmp, gpus, config, data)
     if "micro" in chosen:
         run_case("matmul", [sys.executable, "-m", "trainer.bench.micro", "matmul"], out, 300)
         if gpus > 1:
@@ -262,6 +307,11 @@ def table(rows: list[dict]) -> str:
             reached = "not reached" if r["seconds_to_target"] is None else f"reached after {r['seconds_to_target']:.2f}s"
             lines.append(f"{r['run']}: {r['gpus']} GPU(s), test acc {100 * acc:.2f}% after {r['train_seconds']:.2f}s of training; "
                          f"{r['target']:.1%} {reached}; data {100 * r['data_share_of_step']:.1f}% of step time" if acc is not None else f"{r['run']}: failed")
+        if r.get("run", "").startswith("restart-"):
+            c, w = r["cold"], r["warm"]
+            lines.append(f"{r['run']}: {r['gpus']} GPU(s), command -> first step cold {c.get('command_to_first_step_s')} s "
+                         f"(worker {c.get('worker_first_step_s')}), warm {w.get('command_to_first_step_s')} s (worker {w.get('worker_first_step_s')}), "
+                         f"warm/cold {r['warm_over_cold']}")
         if r.get("run") in ("matmul-bf16", "allreduce") or r.get("run", "").startswith("trace-"):
             lines.append(json.dumps(r))
     return "\n".join(lines)
