@@ -284,7 +284,6 @@ def test_a_lost_slurm_node_requeues_the_job_and_it_resumes_when_the_node_is_back
           f"{t_next - t_crash:.0f} s after the crash (the node back {t_down + 3 - t_crash:.0f} s after it)")
 
 
-
 def test_slurm_preemption_stops_both_nodes_with_75_and_the_requeued_job_resumes(slurm, tmp_path):
     """A job of a higher partition takes both nodes: Slurm signals every step of ours (SIGTERM, with
     GraceTime), requeues the job, and starts it again once the nodes are free."""

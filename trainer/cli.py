@@ -24,7 +24,7 @@ import time
 import click
 
 from trainer.config import ConfigError, explain, load_config, to_yaml
-from trainer.launch import EXIT_USAGE, record_exit, supervised, writable_home
+from trainer.launch import EXIT_USAGE, record_exit, stamp_command_start, supervised, writable_home
 
 _LOCAL_RANK = re.compile(r"^--local[-_]rank(=(\d+))?$")
 
@@ -205,7 +205,7 @@ def bench(ctx):
 
 
 def entry() -> None:
-    os.environ.setdefault("TRAINER_COMMAND_START", repr(time.time()))  # `trainer ...` (python -m trainer stamps it earlier)
+    stamp_command_start()  # `trainer ...` (python -m trainer stamps it earlier)
     writable_home()
     main(args=strip_local_rank(sys.argv[1:]), prog_name="trainer")
 

@@ -54,8 +54,15 @@ EXIT_HUNG = 124
 a crash, restarted like one; 124 as timeout(1) exits."""
 
 EXIT_DIR_ENV = "TRAINER_EXIT_DIR"
+COMMAND_START_ENV = "TRAINER_COMMAND_START"
+"""When the command started (time.time()): the first step's record reports the seconds since."""
 FORWARDED = {signal.SIGTERM: signal.SIGTERM, signal.SIGINT: signal.SIGINT, signal.SIGHUP: signal.SIGHUP, signal.SIGUSR1: signal.SIGTERM}
 PR_SET_PDEATHSIG = 1
+
+
+def stamp_command_start() -> None:
+    """Note when the command started, unless a launcher further out did (slurm/launch.sh)."""
+    os.environ.setdefault(COMMAND_START_ENV, repr(time.time()))
 
 
 def writable_home() -> None:
@@ -177,7 +184,7 @@ class LostRendezvous:
     def __init__(self, torchrun_args: list[str], pid: int):
         self.join_s = float(rdzv_conf(torchrun_args).get("join_timeout", 600))
         self.bound_s = self.join_s + LOST_RENDEZVOUS_MARGIN_S
-        self.endpoint = _option(torchrun_args, "rdzv-endpoint", "127.0.0.1:29400") or "127.0.0.1:29400"
+        self.endpoint = _endpoint(torchrun_args)
         self.pid, self.since = pid, time.monotonic()
 
     def check(self) -> str:
@@ -310,6 +317,11 @@ def _option(argv: list[str], name: str, default: str = "") -> str:
     return default
 
 
+def _endpoint(argv: list[str]) -> str:
+    """--rdzv-endpoint, or torchrun's default."""
+    return _option(argv, "rdzv-endpoint") or "127.0.0.1:29400"
+
+
 def rdzv_conf(argv: list[str]) -> dict[str, str]:
     """torchrun's --rdzv-conf K=V,K=V as a dict."""
     return dict(kv.split("=", 1) for kv in _option(argv, "rdzv-conf").split(",") if "=" in kv)
@@ -341,7 +353,7 @@ def rendezvous_failure(argv: list[str], error: BaseException) -> str:
     """One line for a rendezvous that could not form: what happened, where, and the fix."""
     from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousTimeoutError
 
-    endpoint = _option(argv, "rdzv-endpoint", "127.0.0.1:29400") or "127.0.0.1:29400"
+    endpoint = _endpoint(argv)
     nodes, job = _option(argv, "nnodes", "1"), _option(argv, "rdzv-id", "none")
     conf = rdzv_conf(argv)
     if isinstance(error, RendezvousTimeoutError):

@@ -123,14 +123,14 @@ class Trainer:
             for k, v in r.model.state_dict().items():
                 v.copy_(saved[k])
         clock.mark("restore_after_warm_up")
-        self.first_step_s = time.perf_counter() - r.started_at
+        self.first_step_s, since = time.perf_counter() - r.started_at, since_command()  # both clocks at the same moment
         cache_bytes = 0
         if r.compile_cache != "off" and self.rt.is_main:
             cache_bytes = compile_cache.seal(r.root, r.compile_key)  # what this start compiled or found, for the next one
             clock.mark("compile_cache_seal (after the first-step clock)")
         if r.compile_cache != "off":
             r.say.line(f"compile cache {r.compile_key}: {r.compile_cache}" + (f"; sealed {cache_bytes / 2**20:.1f} MiB for restarts" if cache_bytes else ""))
-        r.log.write({"event": "first_step", "seconds": round(self.first_step_s, 3), "since_command_s": since_command(), "compiled": r.fast.compile,
+        r.log.write({"event": "first_step", "seconds": round(self.first_step_s, 3), "since_command_s": since, "compiled": r.fast.compile,
                      "compile_cache": r.compile_cache, "compile_cache_bytes": cache_bytes,
                      "startup_s": clock.phases, "compile_s": clock.compile_seconds() if r.fast.compile else {}})
 

@@ -34,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from trainer.launch import COMMAND_START_ENV
+
 SEEDNET_FLOP = 128.1e9  # per image per training step (6 x 21.35 G multiply-adds)
 PLAIN = ["train.precision=fp32", "model.compile=false", "model.channels_last=false", "data.device_resident=false", "optim.impl=loop"]
 
@@ -138,7 +140,7 @@ def recipe(out: Path, tmp: Path, name: str, gpus: int, config: str, data: str, e
 
 
 SHIPPED_CONFIGS = ("configs/default.yaml", "configs/fast.yaml", "configs/seed.yaml")
-NODE_CACHES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "CUDA_CACHE_PATH", "XDG_CACHE_HOME", "TRAINER_COMMAND_START")
+NODE_CACHES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "CUDA_CACHE_PATH", "XDG_CACHE_HOME", COMMAND_START_ENV)
 
 
 def restart(out: Path, tmp: Path, gpus: int, config: str, data: str, steps: int = 2) -> None:
