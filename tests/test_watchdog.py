@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from conftest import ROOT, TINY, env, trainer_cmd, worker
 
@@ -77,6 +78,9 @@ def test_a_blocked_worker_writes_its_stacks_and_exits_124(tmp_path):
 def stopped_process() -> subprocess.Popen:
     p = subprocess.Popen(["sleep", "300"])
     os.kill(p.pid, signal.SIGSTOP)
+    deadline = time.time() + 10  # the signal is delivered asynchronously: on a busy machine the state reads R for a while
+    while time.time() < deadline and psutil.Process(p.pid).status() != psutil.STATUS_STOPPED:
+        time.sleep(0.01)
     return p
 
 
