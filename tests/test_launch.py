@@ -261,7 +261,8 @@ def test_make_run_local_shows_the_trainers_75(tmp_path):
 
 
 def test_launch_refuses_a_volume_without_room_for_keep_plus_one_checkpoints(tmp_path):
-    """Checked once before torchrun starts any worker (seednet: 4.8 GB a checkpoint with momentum)."""
+    """Checked by rank 0 before it builds anything else (seednet: 4.8 GB a checkpoint with momentum):
+    one line, exit 2, no torchrun restart, no checkpoint written."""
     import shutil
 
     per = 604_137_490 * 4 * 2
@@ -270,7 +271,8 @@ def test_launch_refuses_a_volume_without_room_for_keep_plus_one_checkpoints(tmp_
                         f"checkpoint.keep={keep}"), check=False)
     errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
     assert p.returncode == EXIT_USAGE and len(errors) == 1, p.stderr
-    assert f"checkpoint.keep={keep} needs (K + 1 checkpoints at a save, 4.83 GB each)" in errors[0] and "torchrun" not in p.stderr
+    assert f"checkpoint.keep={keep} needs (K + 1 checkpoints at a save, 4.83 GB each)" in errors[0]
+    assert "stopping torchrun without restarts" in p.stderr and not list((tmp_path / "ck").glob("step-*"))
 
 
 def test_a_missing_home_is_replaced_by_a_private_writable_one(tmp_path, monkeypatch):

@@ -36,6 +36,29 @@ def test_resnet18_has_the_cifar_stem():
     assert net(torch.randn(2, 3, 32, 32)).shape == (2, 10)
 
 
+def test_resnet18_is_torchvisions_layer_for_layer_and_loads_its_weights():
+    """Ours is written out (no torchvision import at start-up): the same keys, shapes, outputs and
+    initialisation as torchvision's ResNet-18 with the CIFAR stem, so checkpoints of either load."""
+    import torchvision
+
+    theirs = torchvision.models.resnet18(num_classes=10)
+    theirs.conv1, theirs.maxpool = nn.Conv2d(3, 64, 3, 1, 1, bias=False), nn.Identity()
+    ours = build("resnet18")
+    mine, ref = ours.state_dict(), theirs.state_dict()
+    assert list(mine) == list(ref) and all(mine[k].shape == ref[k].shape for k in ref)
+    for k in ref:  # same initialisation: kaiming (fan_out) convs, unit batch norms, default stem and head
+        if k.endswith("weight") and ref[k].dim() == 4:
+            assert abs(mine[k].std().item() / ref[k].std().item() - 1) < 0.2, k
+        if k.endswith(("bn1.weight", "bn2.weight", "running_var")):
+            assert torch.equal(mine[k], ref[k]), k
+    ours.load_state_dict(ref)
+    ours.eval(), theirs.eval()
+    x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), theirs(x))
+    torch.testing.assert_close(ours.train()(x).sum(), theirs.train()(x).sum())
+
+
 def test_airnet_whitening_decorrelates_patches():
     torch.manual_seed(0)
     net = build("airnet")

@@ -23,8 +23,8 @@ import time
 
 import click
 
-from trainer.config import ConfigError, explain, load_config, to_yaml
-from trainer.launch import EXIT_USAGE, record_exit, stamp_command_start, supervised, writable_home
+from trainer.config import ConfigError, check_batch, check_devices, explain, load_config, to_yaml
+from trainer.launch import EXIT_USAGE, gpu_count, record_exit, stamp_command_start, supervised, writable_home
 
 _LOCAL_RANK = re.compile(r"^--local[-_]rank(=(\d+))?$")
 
@@ -154,24 +154,23 @@ def data(config_file, overrides):
               help="torchrun restarts of the whole group after a failure.")
 @config_options
 def launch(nproc_per_node, max_restarts, config_file, overrides):
-    """Check the input and fetch or decode the data set once, then exec torchrun -m trainer train
-    with the same arguments (a usage error or a missing data set exits 2 here, not once per restart)."""
-    cfg = load_config(config_file, overrides)  # usage errors before torch is imported (seconds)
-    from trainer import data as datasets
-    from trainer.evaluate import preflight
-
-    preflight(cfg)
-    if cfg.data.name != "synthetic":
-        datasets.load(cfg)  # into the uint8 cache that the workers then read
+    """Check the config against this node and decode the data set into its cache if it is not
+    there yet, then run torchrun -m trainer train with the same arguments, supervised (exit codes:
+    see trainer/launch.py). Only this first decode imports torch here: on a restart the launcher
+    costs a fraction of a second, and the workers make every other check (a bad input exits 2
+    once, from rank 0, with no restart)."""
+    cfg = load_config(config_file, overrides)
+    gpus = gpu_count()
     if nproc_per_node == "auto":
-        import torch
-
-        nproc_per_node = str(torch.cuda.device_count() or 2)
+        nproc_per_node = str(gpus or 2)
     if not nproc_per_node.isdigit() or int(nproc_per_node) < 1:
         raise ConfigError(f"--nproc-per-node={nproc_per_node} must be a positive number or auto")
-    from trainer.dist import check_batch
-
+    check_devices(cfg, gpus > 0)
     check_batch(cfg, int(nproc_per_node))
+    from trainer import data as datasets
+
+    if not datasets.ready(cfg):
+        datasets.load(cfg)  # decoded once, into the uint8 cache that the workers then read
     args = ["--standalone", f"--nproc-per-node={nproc_per_node}", f"--max-restarts={max_restarts}", "-m", "trainer", "train"]
     args += (["--config", config_file] if config_file else []) + list(overrides)
     click.echo("torchrun " + " ".join(args), err=True)

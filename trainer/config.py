@@ -500,3 +500,24 @@ def explain() -> str:
             shown = "auto" if default is None else default
             lines.append(f"{section_name}.{name} = {shown!r}  ({_describe(f.type)})\n    {doc}")
     return "\n".join(lines)
+
+
+def check_devices(cfg: Config, has_cuda: bool) -> None:
+    """What the config asks of the hardware, whatever the launcher: CUDA where it is named, NCCL
+    only with CUDA. Raises ConfigError naming the fix."""
+    t = cfg.train
+    if t.strategy in ("single", "dp") and not has_cuda:
+        raise ConfigError(f"train.strategy={t.strategy} needs a CUDA GPU and none is visible; use train.strategy=cpu (or auto)")
+    if t.device == "cuda" and not has_cuda:
+        raise ConfigError("train.device=cuda but no CUDA GPU is visible; use train.device=cpu (or auto)")
+    if cfg.dist.backend == "nccl" and (not has_cuda or t.device == "cpu"):
+        raise ConfigError("dist.backend=nccl needs CUDA GPUs and this run is on the CPU; use dist.backend=gloo (or auto)")
+
+
+def check_batch(cfg: Config, world_size: int) -> None:
+    """The global batch splits evenly over the processes."""
+    b, w = cfg.train.batch_size, world_size
+    if b < w:
+        raise ConfigError(f"train.batch_size={b} is smaller than the world size {w}; use at least {w}")
+    if b % w:
+        raise ConfigError(f"train.batch_size={b} is not a multiple of the world size {w}; use {b - b % w} or {b + w - b % w}")

@@ -4,6 +4,9 @@ Each data set is decoded once into a uint8 cache ([N, 3, 32, 32] images, int64 l
 later runs, and the other processes of this one, read a single file. One process per machine does
 the download or decode while the others wait on a file lock: no concurrent-download race, and no
 process group is needed for it. trainer/loader.py turns these tensors into batches.
+
+torch is imported inside the functions that need it: ``trainer launch`` asks :func:`ready` before
+it starts torchrun, and a warm start should not pay torch's import (seconds) in the launcher too.
 """
 
 from __future__ import annotations
@@ -21,8 +24,7 @@ import warnings
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from trainer.config import Config, ConfigError
 
@@ -30,6 +32,9 @@ IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 PROGRESS_S = 5.0
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR_STD = (0.2470, 0.2435, 0.2616)
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -46,6 +51,8 @@ class Split:
     def subset(self, n: int, seed: int) -> Split:
         if n <= 0 or n >= len(self):
             return self
+        import torch
+
         idx = torch.randperm(len(self), generator=torch.Generator().manual_seed(seed))[:n].sort().values
         return Split(self.images[idx].contiguous(), self.labels[idx].contiguous(), self.classes)
 
@@ -75,15 +82,27 @@ def machine_lock(folder: Path, name: str):
 
 
 def _save_atomic(obj: dict, path: Path) -> None:
+    import torch
+
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     torch.save(obj, tmp)
     os.replace(tmp, path)
 
 
+def _cache_folders(cfg: Config) -> list[Path]:
+    return [Path(cfg.data.cache_dir)] if cfg.data.cache_dir else [Path(cfg.data.dir), Path(cfg.checkpoint.dir) / ".data-cache"]
+
+
+def _cache_file(cfg: Config, key: str) -> Path | None:
+    return next((c / f"{key}.uint8.pt" for c in _cache_folders(cfg) if (c / f"{key}.uint8.pt").is_file()), None)
+
+
 def _cached(cfg: Config, key: str, build) -> tuple[Split, Split]:
     """Load ``key`` from the cache, or build it (under the machine lock) and cache it."""
-    candidates = [Path(cfg.data.cache_dir)] if cfg.data.cache_dir else [Path(cfg.data.dir), Path(cfg.checkpoint.dir) / ".data-cache"]
-    ready = next((c / f"{key}.uint8.pt" for c in candidates if (c / f"{key}.uint8.pt").is_file()), None)
+    import torch
+
+    candidates = _cache_folders(cfg)
+    ready = _cache_file(cfg, key)
     folder = ready.parent if ready else next((c for c in candidates if _writable(c)), None)
     if folder is None:
         warnings.warn(f"no writable cache folder among {[str(c) for c in candidates]}; decoding without a cache", stacklevel=2)
@@ -113,6 +132,7 @@ def _cached(cfg: Config, key: str, build) -> tuple[Split, Split]:
 
 
 def _cifar10(cfg: Config) -> tuple[Split, Split]:
+    import torch
     import torchvision
 
     root = Path(cfg.data.dir)
@@ -197,6 +217,7 @@ def check_archive(source: Path) -> None:
 
 
 def _decode_folder(source: Path) -> tuple[torch.Tensor, list[str], list[str]]:
+    import torch
     from PIL import Image, UnidentifiedImageError
 
     images, names, bad = [], [], []
@@ -226,13 +247,21 @@ def _decode_folder(source: Path) -> tuple[torch.Tensor, list[str], list[str]]:
     return torch.stack(images).permute(0, 3, 1, 2).contiguous(), names, bad
 
 
-def _imagefolder(cfg: Config) -> tuple[Split, Split]:
+def _imagefolder_sources(cfg: Config) -> tuple[list[Path], str]:
+    """The train and test folders or tarballs, and the cache key of their current contents."""
     root = Path(cfg.data.dir)
     if not root.is_dir():
         raise ConfigError(f"data.dir={root} does not exist; create it or point data.dir at the data set")
     sources = [_find_source(root, s) for s in ("train", "test")]
     stamp = "|".join(f"{s.resolve()}:{s.stat().st_mtime_ns}:{s.stat().st_size}" for s in sources)
-    key = "imagefolder-" + hashlib.sha1(stamp.encode()).hexdigest()[:16]
+    return sources, "imagefolder-" + hashlib.sha1(stamp.encode()).hexdigest()[:16]
+
+
+def _imagefolder(cfg: Config) -> tuple[Split, Split]:
+    import torch
+
+    root = Path(cfg.data.dir)
+    sources, key = _imagefolder_sources(cfg)
 
     def build() -> tuple[Split, Split]:
         decoded = [_decode_folder(s) for s in sources]
@@ -251,6 +280,8 @@ def _imagefolder(cfg: Config) -> tuple[Split, Split]:
 
 def synthetic(n_train: int, n_test: int, seed: int = 1234) -> tuple[Split, Split]:
     """A learnable CIFAR-shaped set: each class is a smooth colour pattern, shifted and noised."""
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     templates = torch.nn.functional.interpolate(torch.rand(10, 3, 4, 4, generator=g), size=40, mode="bilinear", align_corners=False)
 
@@ -276,3 +307,12 @@ def load(cfg: Config) -> tuple[Split, Split]:
     else:
         train, test = _imagefolder(cfg)
     return train.subset(cfg.data.train_subset, seed=1), test.subset(cfg.data.test_subset, seed=2)
+
+
+def ready(cfg: Config) -> bool:
+    """Whether :func:`load` would only read its uint8 cache (nothing to download or decode). Needs
+    no torch; raises ConfigError where an image folder's data is missing."""
+    if cfg.data.name == "synthetic":
+        return True
+    key = "cifar10" if cfg.data.name == "cifar10" else _imagefolder_sources(cfg)[1]
+    return _cache_file(cfg, key) is not None

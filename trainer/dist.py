@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer.config import Config, ConfigError
+from trainer.config import Config, ConfigError, check_batch, check_devices
 
 DIST_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -53,26 +53,14 @@ def launched_by_torchrun() -> bool:
     return all(k in os.environ for k in DIST_ENV)
 
 
-def check_devices(cfg: Config) -> None:
-    """What the config asks of the hardware, whatever the launcher: CUDA where it is named, NCCL
-    only with CUDA. Raises ConfigError naming the fix."""
-    has_cuda, t = torch.cuda.is_available(), cfg.train
-    if t.strategy in ("single", "dp") and not has_cuda:
-        raise ConfigError(f"train.strategy={t.strategy} needs a CUDA GPU and none is visible; use train.strategy=cpu (or auto)")
-    if t.device == "cuda" and not has_cuda:
-        raise ConfigError("train.device=cuda but no CUDA GPU is visible; use train.device=cpu (or auto)")
-    if cfg.dist.backend == "nccl" and (not has_cuda or t.device == "cpu"):
-        raise ConfigError("dist.backend=nccl needs CUDA GPUs and this run is on the CPU; use dist.backend=gloo (or auto)")
-
-
 def resolve(cfg: Config) -> Runtime:
     """Decide strategy, rank and device from the config and the environment (no side effects).
 
     Raises ConfigError for combinations that cannot work, naming the fix.
     """
-    check_devices(cfg)
-    strategy = cfg.train.strategy
     has_cuda = torch.cuda.is_available()
+    check_devices(cfg, has_cuda)
+    strategy = cfg.train.strategy
     in_group = launched_by_torchrun()
     if strategy == "auto":
         strategy = "ddp" if in_group else ("single" if has_cuda else "cpu")
@@ -111,14 +99,6 @@ def resolve(cfg: Config) -> Runtime:
     if backend == "auto":
         backend = "nccl" if use_cuda else "gloo"
     return Runtime(strategy, rank, local_rank, world, local_world, device, backend)
-
-
-def check_batch(cfg: Config, world_size: int) -> None:
-    b, w = cfg.train.batch_size, world_size
-    if b < w:
-        raise ConfigError(f"train.batch_size={b} is smaller than the world size {w}; use at least {w}")
-    if b % w:
-        raise ConfigError(f"train.batch_size={b} is not a multiple of the world size {w}; use {b - b % w} or {b + w - b % w}")
 
 
 def setup(cfg: Config) -> Runtime:

@@ -8,8 +8,7 @@ from pathlib import Path
 import torch
 
 from trainer import checkpoint, data, models
-from trainer.config import Config, ConfigError, from_dict, load_config
-from trainer.dist import check_devices
+from trainer.config import Config, ConfigError, check_devices, from_dict, load_config
 
 
 def preflight(cfg: Config) -> None:
@@ -17,7 +16,7 @@ def preflight(cfg: Config) -> None:
     for, a writable checkpoint folder, a resume path that exists and fits, a data folder that holds
     data, room for keep + 1 checkpoints, no other run holding the folder. Raises ConfigError (exit
     2); writes nothing but the folder itself and its lock file."""
-    check_devices(cfg)
+    check_devices(cfg, torch.cuda.is_available())
     root = Path(cfg.checkpoint.dir)
     with torch.device("meta"):  # shapes only: no memory, no time
         shapes = models.build(cfg.model.name)

@@ -65,6 +65,20 @@ def stamp_command_start() -> None:
     os.environ.setdefault(COMMAND_START_ENV, repr(time.time()))
 
 
+def gpu_count() -> int:
+    """CUDA devices this process sees (CUDA_VISIBLE_DEVICES applies), asked of the driver itself:
+    torch.cuda.device_count() would cost a torch import (seconds) in a launcher that needs none.
+    0 without a driver or a GPU."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return 0
+    count = ctypes.c_int(0)
+    if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:  # CUDA_SUCCESS is 0
+        return 0
+    return count.value
+
+
 def writable_home() -> None:
     """Point HOME at a private folder under the temp dir when it is missing or not writable.
 

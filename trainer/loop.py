@@ -105,7 +105,7 @@ class Trainer:
         the epoch-0 numbers that training then uses: no random state moves."""
         r = self.r
         clock = r.startup
-        clock.mark("build_rest")  # wrapping, optimizer, input pipeline
+        clock.mark("build_rest")  # schedule, Lookahead, input pipeline, run log, watchdog
         saved = {k: v.detach().clone() for k, v in r.model.state_dict().items()}
         b = self.rt.per_rank_batch(self.cfg.train.batch_size)
         x = r.augment.train(r.train_split.images[:b].to(self.rt.device), 0, 0, torch.arange(b, device=self.rt.device))

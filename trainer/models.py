@@ -37,16 +37,60 @@ def seednet(num_classes: int = 10) -> nn.Module:
     )
 
 
+class _Basic(nn.Module):
+    """ResNet's basic block: two 3x3 convs with batch norm, plus the input (1x1-projected when the
+    shape changes). Attribute names are torchvision's, so checkpoints of either load in the other."""
+
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.downsample = None
+        if stride != 1 or cin != cout:
+            self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.bn2(self.conv2(self.relu(self.bn1(self.conv1(x)))))
+        return self.relu(out + (x if self.downsample is None else self.downsample(x)))
+
+
+class ResNet18(nn.Module):
+    """torchvision's ResNet-18 (same layers, names and initialisation) with the CIFAR stem: a 3x3
+    stride-1 first conv and no max-pool, so 32x32 images keep their resolution into the first
+    stage. Written out here because importing torchvision costs a start seconds (BENCHMARKS.md)."""
+
+    def __init__(self, num_classes: int = 10):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.Identity()
+        widths, cin = (64, 128, 256, 512), 64
+        for i, cout in enumerate(widths, start=1):
+            stride = 1 if i == 1 else 2
+            setattr(self, f"layer{i}", nn.Sequential(_Basic(cin, cout, stride), _Basic(cout, cout, 1)))
+            cin = cout
+        self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
+        self.fc = nn.Linear(512, num_classes)
+        for m in self.modules():  # torchvision's initialisation; its replaced stem kept PyTorch's default
+            if isinstance(m, nn.Conv2d) and m is not self.conv1:
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+            elif isinstance(m, nn.BatchNorm2d):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
 @register("resnet18")
 def resnet18(num_classes: int = 10) -> nn.Module:
-    """torchvision's ResNet-18 with the CIFAR stem: a 3x3 stride-1 first conv and no max-pool, so
-    32x32 images keep their resolution into the first stage."""
-    import torchvision
-
-    net = torchvision.models.resnet18(num_classes=num_classes)
-    net.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
-    net.maxpool = nn.Identity()
-    return net
+    return ResNet18(num_classes)
 
 
 @register("tinynet")

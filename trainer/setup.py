@@ -188,7 +188,9 @@ def build(cfg: Config, rt: Runtime, started_at: float | None = None) -> Run:
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing)
     bucket_hook = masters.bucket_hook(rt.world_size) if fast.update_in_backward else None
     net = parallel.wrap(model, criterion, cfg, rt, fast.compile, fast.bf16, fast.compile_mode, bucket_hook)
+    clock.mark("wrap")
     optimizer = build_optimizer(model, cfg, rt.cuda, sharded=rt.strategy == "fsdp", masters=masters)
+    clock.mark("optimizer")  # the first optimizer imports torch._dynamo (seconds), which compiling needs anyway
     total = steps_per_epoch * cfg.train.epochs
     total = min(total, cfg.train.max_steps) if cfg.train.max_steps else total
     schedule = build_schedule(optimizer, cfg, total, steps_per_epoch)

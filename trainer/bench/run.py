@@ -184,7 +184,7 @@ def suites(args, out: Path, tmp: Path, gpus: int) -> None:
     chosen = set(args.suite.split(","))
     data = args.data or "../shared/data"
     if "restart" in chosen:  # command -> first step, cold and warm, every shipped config
-        for config in SHIPPED_CONFIGS:
+        for config in args.configs.split(","):
             restart(out, tmp, gpus, config, data)
     if "micro" in chosen:
         run_case("matmul", [sys.executable, "-m", "trainer.bench.micro", "matmul"], out, 300)
@@ -348,6 +348,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--out", default="bench-results")
     p.add_argument("--suite", default="micro,article,trace,seednet,stall,recipes,resnet18")
     p.add_argument("--data", default="", help="CIFAR-10 image folders or tarballs for the recipes (default ../shared/data)")
+    p.add_argument("--configs", default=",".join(SHIPPED_CONFIGS), help="restart: the configs to start (default: every shipped one)")
     p.add_argument("--resnet-epochs", type=int, default=30)
     p.add_argument("--resnet-ab-epochs", type=int, default=5, help="epochs of each resnet18-compile run")
     p.add_argument("--more", action="store_true", help="seednet-weights: also one GPU, fp32 weights, and no CUDA graphs")
