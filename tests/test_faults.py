@@ -1,6 +1,6 @@
 """Fault injection with real processes: SIGKILL, SIGTERM, SIGSTOP, crashes inside a save, damaged
 checkpoints and bad input. Each case runs several trials; a table of cases, trials and passes is
-printed at the end of the session (tests/conftest.py)."""
+printed at the end of the pytest run (tests/conftest.py)."""
 
 from __future__ import annotations
 

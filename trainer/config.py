@@ -242,7 +242,7 @@ class ProfileConfig:
     steps: int = 0
     """Record this many training steps with torch.profiler (0 = off). Each rank writes
     profile-rankR.json (a trace for https://ui.perfetto.dev or chrome://tracing) and profile-rankR.txt
-    (the ops with the most host and device time) to the run folder; metrics.jsonl gets a summary
+    (the ops with the most host and GPU time) to the run folder; metrics.jsonl gets a summary
     (wall and device-busy time per step, host waits on the GPU). Two sync points, around the window."""
     skip: int = 20
     """Steps of this launch before the profiled window (compilation and warm-up are over by then)."""

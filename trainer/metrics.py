@@ -55,7 +55,7 @@ class Startup:
 
 
 class StepTimer:
-    """Device time of the input pipeline and of whole steps, from CUDA events (no sync until read);
+    """GPU time of the input pipeline and of whole steps, from CUDA events (no sync until read);
     host clocks on the CPU."""
 
     def __init__(self, cuda: bool):

@@ -263,7 +263,7 @@ def suites(args, out: Path, tmp: Path, gpus: int) -> None:
         if gpus > 1:
             run_case("article-ddp", cmd_for(gpus, "trainer.bench.article", ["--mode", "ddp"]), out, 600)
         # bf16 weights under DDP, each way of moving their gradients (explicit, whatever the defaults):
-        # -after: masters updated after backward, DDP all-reduces every gradient (the fifth session's);
+        # -after: masters updated after backward, DDP all-reduces every gradient;
         # -hook: masters updated per bucket in DDP's hook (dist.update_in_backward); -gather: the first
         # Linear's gradient from all-gathered factors (dist.gather_linear_factors)
         bf16w, plain_mode = ["train.param_dtype=bf16"], ["model.compile_mode=default"]
