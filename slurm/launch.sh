@@ -32,9 +32,6 @@ NPROC_PER_NODE=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-1}}
 MAX_RESTARTS=${MAX_RESTARTS:-3}
 RDZV_PORT=${RDZV_PORT:-$((29500 + ${SLURM_JOB_ID:-0} % 1000))}
 LOCAL_ADDR=${LOCAL_ADDR:-auto}
-# torchrun's restarts reuse the c10d rendezvous store, whose stale keys from the failed attempt
-# make the new process group connect to dead ranks; a fresh store per attempt avoids it.
-export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 
 # the first step's record reports the seconds since this moment (the batch job's start)
 TRAINER_COMMAND_START=${TRAINER_COMMAND_START:-$(date +%s.%N)}

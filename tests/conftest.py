@@ -31,7 +31,7 @@ BF16_DDP = [*DDP_12_STEPS, "train.precision=bf16", "train.param_dtype=bf16"]
 
 def env(**extra: str) -> dict[str, str]:
     e = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "TORCHELASTIC", "TRAINER_"))}
-    # As every launcher of ours sets it: restarts under c10d rendezvous need a fresh store (see README).
+    # As the supervisor (`trainer torchrun`) sets it: tests that start torchrun directly need it too.
     e.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     # the test interpreter's environment first on PATH (torchrun, trainer), as an activated venv has it
     e["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{e.get('PATH', '')}"

@@ -44,7 +44,7 @@ def test_damaged_newest_is_reported_set_aside_and_the_previous_used(tmp_path, da
     else:
         f.unlink()
     said = []
-    assert checkpoint.newest_good(tmp_path, log=said.append) == tmp_path / "step-1"
+    assert checkpoint.newest_good(tmp_path, say=said.append) == tmp_path / "step-1"
     assert len(said) == 1 and "step-2" in said[0]
     assert (tmp_path / "step-2.corrupt").is_dir() and not (tmp_path / "step-2").exists()
     with pytest.raises(CheckpointError):

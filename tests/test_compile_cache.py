@@ -20,7 +20,7 @@ from trainer.setup import Fast
 
 
 def runtime(world_size: int = 1, strategy: str = "cpu") -> Runtime:
-    return Runtime(strategy=strategy, backend="gloo", device=torch.device("cpu"), rank=0, world_size=world_size, local_rank=0, local_world_size=world_size)
+    return Runtime(strategy=strategy, backend="gloo", device=torch.device("cpu"), rank=0, world_size=world_size, local_rank=0)
 
 
 def fast(**kw) -> Fast:

@@ -102,6 +102,20 @@ def test_round_trip_through_dict_and_yaml():
     assert to_dict(from_dict(yaml.safe_load(to_yaml(cfg)))) == to_dict(cfg)
 
 
+def test_a_renamed_key_still_loads_with_one_warning_line(tmp_path):
+    """optim.ema_every is optim.lookahead_every now: a file, an override and a checkpoint's saved
+    config with the old name keep their meaning; the command says once to rename it."""
+    old = tmp_path / "old.yaml"
+    old.write_text("optim:\n  ema_every: 5\n")
+    assert load_config(old).optim.lookahead_every == 5
+    assert load_config(None, ["optim.ema_every=3"]).optim.lookahead_every == 3
+    assert from_dict({"optim": {"ema_every": 4}}).optim.lookahead_every == 4
+    p = run(trainer_cmd("config", "--config", str(old), "optim.ema_every=7"))
+    assert "lookahead_every: 7" in p.stdout and "ema_every" not in p.stdout
+    warnings = [line for line in p.stderr.splitlines() if "ema_every" in line]
+    assert warnings == ["warning: config key optim.ema_every is now optim.lookahead_every; the old name still works, rename it"]
+
+
 def test_explain_documents_every_key():
     text = explain()
     for key in valid_keys():

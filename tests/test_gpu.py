@@ -63,22 +63,21 @@ ONE_GPU = {
     "async-contiguous-foreach-bf16-compiled": ["checkpoint.async_save=true", "model.channels_last=false", "optim.impl=foreach", "model.compile=true"],
     "async-channels_last-loop-fp32-compiled": ["checkpoint.async_save=true", "model.channels_last=true", "optim.impl=loop", "train.precision=fp32", "model.compile=true"],
     "async-channels_last-adamw-fused-bf16": ["checkpoint.async_save=true", "model.channels_last=true", "optim.name=adamw", "optim.impl=fused", "model.compile=false"],
-    "async-channels_last-fused-lookahead-cudagraphs": ["checkpoint.async_save=true", "model.channels_last=true", "optim.ema_every=3", "model.compile=true",
+    "async-channels_last-fused-lookahead-cudagraphs": ["checkpoint.async_save=true", "model.channels_last=true", "optim.lookahead_every=3", "model.compile=true",
                                                         "model.compile_mode=reduce-overhead"],
 }
 TWO_GPUS = {
     "ddp-async-channels_last-fused-bf16-compiled": ["train.strategy=ddp", "checkpoint.async_save=true", "model.channels_last=true", "model.compile=true"],
     "ddp-sync-channels_last-fused-fp32-lookahead": ["train.strategy=ddp", "checkpoint.async_save=false", "model.channels_last=true", "train.precision=fp32",
-                                                     "optim.ema_every=3", "model.compile=false"],
+                                                     "optim.lookahead_every=3", "model.compile=false"],
     "fsdp-async-foreach-bf16": ["train.strategy=fsdp", "checkpoint.async_save=true", "model.compile=false"],
     # bf16 working weights: bf16 all-reduce, CUDA graphs (compile_mode auto), the compiled master
-    # update after backward; or the masters updated in DDP's hook on a side stream, and the Linear
-    # layer's gradient from all-gathered factors (eager, between the compiled pieces)
+    # update after backward; and the Linear layer's gradient from all-gathered factors (eager,
+    # between the compiled pieces)
     "ddp-async-channels_last-bf16-weights-compiled": ["train.strategy=ddp", "checkpoint.async_save=true", "model.channels_last=true",
                                                       "train.param_dtype=bf16", "model.compile=true"],
-    "ddp-bf16-weights-compiled-hook-gathered": ["train.strategy=ddp", "checkpoint.async_save=false", "model.channels_last=true",
-                                                "train.param_dtype=bf16", "model.compile=true", "dist.update_in_backward=true",
-                                                "dist.gather_linear_factors=true"],
+    "ddp-bf16-weights-compiled-gathered": ["train.strategy=ddp", "checkpoint.async_save=false", "model.channels_last=true",
+                                           "train.param_dtype=bf16", "model.compile=true", "dist.gather_linear_factors=true"],
 }
 
 
@@ -139,18 +138,9 @@ def recovery_s(ckpt: Path, since: float) -> float:
 
 
 @two_gpus
-def test_masters_updated_in_ddps_hook_on_two_gpus_match_the_update_after_backward(tmp_path):
-    """NCCL, CUDA graphs and the hook's side streams: a missing wait between the update and the
-    next forward, or an update racing the backward kernels that still read the weights, shows here."""
-    same_training(tmp_path, [*TINY, *BF16_DDP, "train.device=cuda", "model.compile=true", "optim.momentum=0.9"], "dist.update_in_backward",
-                  gpu_env(CUDA_VISIBLE_DEVICES="0,1"))
-
-
-@two_gpus
 def test_linear_gradients_from_gathered_factors_on_two_gpus_match_ddps(tmp_path):
     """NCCL: the all-gathers of dist.gather_linear_factors (one started in forward, waited in
-    backward), eager between compiled CUDA-graph pieces, and the bf16 masters' update in the hook
-    for every other weight but after backward for these."""
+    backward), eager between compiled CUDA-graph pieces, with bf16 weights and their masters."""
     same_training(tmp_path, [*TINY, *BF16_DDP, "train.device=cuda", "model.compile=true", "optim.momentum=0.9"], "dist.gather_linear_factors",
                   gpu_env(CUDA_VISIBLE_DEVICES="0,1"), rtol=5e-2)  # bf16 gradients rounded after the sum (tests/test_parallel.py)
 

@@ -211,7 +211,7 @@ def test_a_dead_hosts_lock_is_broken_after_its_heartbeat_goes_stale(tmp_path):
     try:
         said: list[str] = []
         lock = FolderLock(tmp_path, stale_s=60)
-        lock.acquire(log=said.append)
+        lock.acquire(say=said.append)
         assert said and "broke the lock" in said[0] and "other-host" in said[0]
         assert json.loads((tmp_path / checkpoint.LOCK).read_text())["pid"] == os.getpid()
         assert list(tmp_path.glob(".lock.stale-*"))
@@ -237,7 +237,7 @@ def test_set_aside_folders_are_pruned_beyond_a_small_bound(tmp_path):
         time.sleep(0.01)
     (tmp_path / "step-0.corrupt").mkdir()
     said: list[str] = []
-    gone_ = checkpoint.prune_set_aside(tmp_path, log=said.append)
+    gone_ = checkpoint.prune_set_aside(tmp_path, say=said.append)
     left = sorted(p.name for p in tmp_path.iterdir() if checkpoint.SET_ASIDE.match(p.name))
     assert len(left) == checkpoint.KEEP_SET_ASIDE and "step-0.corrupt" in left  # the newest ones stay
     assert gone_ and said and "deleted" in said[0]
@@ -273,6 +273,15 @@ def test_launch_refuses_a_volume_without_room_for_keep_plus_one_checkpoints(tmp_
     assert p.returncode == EXIT_USAGE and len(errors) == 1, p.stderr
     assert f"checkpoint.keep={keep} needs (K + 1 checkpoints at a save, 4.83 GB each)" in errors[0]
     assert "stopping torchrun without restarts" in p.stderr and not list((tmp_path / "ck").glob("step-*"))
+
+
+def test_the_supervisor_gives_each_torchrun_attempt_a_fresh_rendezvous_store(tmp_path):
+    """Set once, in the supervisor every launcher goes through (not in each manifest and script)."""
+    seen = tmp_path / "seen"
+    plain = {k: v for k, v in env().items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+    run(trainer_cmd("torchrun", "--standalone", "--nproc-per-node=1", "--no-python", "sh", "-c",
+                    f'echo "$TORCH_DISABLE_SHARE_RDZV_TCP_STORE" > {seen}'), env=plain)
+    assert seen.read_text().strip() == "1"
 
 
 def test_a_missing_home_is_replaced_by_a_private_writable_one(tmp_path, monkeypatch):

@@ -13,7 +13,7 @@ CPU = torch.device("cpu")
 
 
 def rt(rank: int, world: int) -> Runtime:
-    return Runtime("ddp" if world > 1 else "cpu", rank, rank, world, world, CPU, None)
+    return Runtime("ddp" if world > 1 else "cpu", rank, rank, world, CPU, None)
 
 
 def labels_of(loader, epoch: int, start: int = 0) -> list[list[int]]:

@@ -16,7 +16,7 @@ def test_ddp_settings_reach_the_wrapper(tmp_path):
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     split = torch._dynamo.config.optimize_ddp
     try:
-        rt = Runtime("ddp", 0, 0, 1, 1, torch.device("cpu"), None)
+        rt = Runtime("ddp", 0, 0, 1, torch.device("cpu"), None)
         for flag in (True, False):
             value = str(flag).lower()
             cfg = load_config(None, [f"dist.broadcast_buffers={value}", f"dist.static_graph={value}",
@@ -84,12 +84,11 @@ def test_a_gathered_linear_stays_out_of_the_compiled_graphs():
 
 @pytest.mark.parametrize("overrides, rtol", [
     ([*DDP_12_STEPS, "optim.momentum=0.9"], 1e-5),  # fp32: the same sums in another order
-    # bf16 weights: every other weight's master updated in DDP's hook, the gathered layer's after
-    # backward. Its bf16 gradient is rounded once (after the sum) instead of per rank: some bf16
-    # weights round the other way, and 12 steps later the momentum differs by about 1% (a gradient
-    # taken twice, or not averaged, is 50-100%)
-    ([*BF16_DDP, "dist.update_in_backward=true", "optim.momentum=0.9"], 5e-2),
-], ids=["fp32", "bf16-weights-hook"])
+    # bf16 weights: the gathered layer's bf16 gradient is rounded once (after the sum) instead of per
+    # rank: some bf16 weights round the other way, and 12 steps later the momentum differs by about
+    # 1% (a gradient taken twice, or not averaged, is 50-100%)
+    ([*BF16_DDP, "optim.momentum=0.9"], 5e-2),
+], ids=["fp32", "bf16-weights"])
 def test_linear_gradients_from_gathered_factors_match_ddps_all_reduce(tmp_path, overrides, rtol):
     """dist.gather_linear_factors=true (every Linear) against DDP's all-reduce, two ranks (gloo):
     the same training up to float rounding, forward and backward through channels-last convs."""

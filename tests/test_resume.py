@@ -76,7 +76,7 @@ FAST = {
 SLOW = {
     "sync-channels_last-foreach": ["checkpoint.async_save=false", "model.channels_last=true", "optim.impl=foreach"],
     "async-contiguous-loop": ["checkpoint.async_save=true", "model.channels_last=false", "optim.impl=loop"],
-    "async-channels_last-lookahead": ["checkpoint.async_save=true", "model.channels_last=true", "optim.ema_every=3"],
+    "async-channels_last-lookahead": ["checkpoint.async_save=true", "model.channels_last=true", "optim.lookahead_every=3"],
     "async-channels_last-adamw-bf16": ["checkpoint.async_save=true", "model.channels_last=true", "optim.name=adamw", "train.precision=bf16"],
 }
 
@@ -95,11 +95,11 @@ def test_resume_is_exact_one_process_more(tmp_path, case):
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy, overrides", [
     ("ddp", ["checkpoint.async_save=true", "model.channels_last=true"]),
-    ("ddp", ["checkpoint.async_save=false", "model.channels_last=true", "optim.ema_every=3"]),
+    ("ddp", ["checkpoint.async_save=false", "model.channels_last=true", "optim.lookahead_every=3"]),
     ("fsdp", ["checkpoint.async_save=true"]),
     ("ddp", ["checkpoint.async_save=true", "model.channels_last=true", "train.precision=bf16", "train.param_dtype=bf16"]),  # bf16 all-reduce
-    # the masters updated in DDP's hook, bucket by bucket; the Linear's gradient from gathered factors
-    ("ddp", ["checkpoint.async_save=true", "model.channels_last=true", "train.precision=bf16", "train.param_dtype=bf16", "dist.update_in_backward=true",
+    # the Linear's gradient from gathered factors, with bf16 weights
+    ("ddp", ["checkpoint.async_save=true", "model.channels_last=true", "train.precision=bf16", "train.param_dtype=bf16",
              "dist.gather_linear_factors=true"]),
 ])
 def test_resume_is_exact_two_ranks(tmp_path, strategy, overrides):

@@ -15,20 +15,20 @@ FAST_FP32 = ["train.precision=fp32", "model.compile=true", "model.channels_last=
 
 
 def test_fast_path_is_on_for_cuda_and_each_part_switches_off():
-    cuda = Runtime("single", 0, 0, 1, 1, torch.device("cuda", 0), None)
-    cpu = Runtime("cpu", 0, 0, 1, 1, torch.device("cpu"), None)
+    cuda = Runtime("single", 0, 0, 1, torch.device("cuda", 0), None)
+    cpu = Runtime("cpu", 0, 0, 1, torch.device("cpu"), None)
     on = Fast.resolve(load_config(), cuda)
     assert on.bf16 and on.channels_last and on.compile and on.device_resident and on.async_save
     off = Fast.resolve(load_config(None, PLAIN), cuda)
     assert not (off.bf16 or off.channels_last or off.compile or off.device_resident or off.async_save)
     assert not Fast.resolve(load_config(), cpu).compile
-    dp = Runtime("dp", 0, 0, 1, 1, torch.device("cuda", 0), None)
+    dp = Runtime("dp", 0, 0, 1, torch.device("cuda", 0), None)
     assert not Fast.resolve(load_config(), dp).compile  # DataParallel is never compiled
 
 
 def test_compile_mode_auto_uses_cuda_graphs_where_they_can_be_captured():
     def mode(strategy: str, device: str, *overrides: str) -> Fast:
-        rt = Runtime(strategy, 0, 0, 1, 1, torch.device(device, 0) if device == "cuda" else torch.device("cpu"), None)
+        rt = Runtime(strategy, 0, 0, 1, torch.device(device, 0) if device == "cuda" else torch.device("cpu"), None)
         return Fast.resolve(load_config(None, ["model.compile=true", *overrides]), rt)
 
     assert mode("single", "cuda").compile_mode == "reduce-overhead" and mode("single", "cuda").cudagraphs
@@ -62,13 +62,13 @@ def test_fast_and_plain_paths_compute_the_same(tmp_path):
 
 def test_param_dtype_auto_takes_bf16_weights_only_where_they_work():
     def weights(strategy: str, device: str, *overrides: str) -> bool:
-        rt = Runtime(strategy, 0, 0, 1, 1, torch.device(device, 0) if device == "cuda" else torch.device("cpu"), None)
+        rt = Runtime(strategy, 0, 0, 1, torch.device(device, 0) if device == "cuda" else torch.device("cpu"), None)
         return Fast.resolve(load_config(None, ["train.param_dtype=auto", *overrides]), rt).bf16_weights
 
     assert weights("single", "cuda") and weights("ddp", "cuda")
     assert not weights("cpu", "cpu")  # autocast is off on the CPU by default
     assert weights("cpu", "cpu", "train.precision=bf16")
     assert not weights("fsdp", "cuda") and not weights("dp", "cuda")
-    assert not weights("single", "cuda", "optim.name=adamw") and not weights("single", "cuda", "optim.ema_every=5")
+    assert not weights("single", "cuda", "optim.name=adamw") and not weights("single", "cuda", "optim.lookahead_every=5")
     assert not weights("single", "cuda", "train.precision=fp32")
-    assert not Fast.resolve(load_config(), Runtime("single", 0, 0, 1, 1, torch.device("cuda", 0), None)).bf16_weights  # the default: fp32
+    assert not Fast.resolve(load_config(), Runtime("single", 0, 0, 1, torch.device("cuda", 0), None)).bf16_weights  # the default: fp32

@@ -39,8 +39,8 @@ import torch
 from torch import nn
 
 from trainer.config import Config, ConfigError, to_dict
-from trainer.faults import crash_point
 from trainer.models import unwrap
+from trainer.stop import crash_point
 
 STATE, META = "state.pt", "meta.json"
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -119,18 +119,18 @@ def quarantine(folder: Path) -> Path:
     return target
 
 
-def prune_set_aside(root: Path, keep: int = KEEP_SET_ASIDE, log=print) -> list[Path]:
+def prune_set_aside(root: Path, keep: int = KEEP_SET_ASIDE, say=print) -> list[Path]:
     """Delete all but the newest ``keep`` quarantined or replaced folders (by modification time)."""
     aside = sorted((p for p in root.iterdir() if SET_ASIDE.match(p.name) and p.is_dir()), key=lambda p: p.stat().st_mtime) if root.is_dir() else []
     gone = aside[:-keep] if keep else aside
     for p in gone:
         shutil.rmtree(p, ignore_errors=True)
     if gone:
-        log(f"warning: deleted {len(gone)} set-aside checkpoint folder(s) ({', '.join(p.name for p in gone)}); the newest {keep} are kept for inspection")
+        say(f"warning: deleted {len(gone)} set-aside checkpoint folder(s) ({', '.join(p.name for p in gone)}); the newest {keep} are kept for inspection")
     return gone
 
 
-def newest_good(root: Path, log=print) -> Path | None:
+def newest_good(root: Path, say=print) -> Path | None:
     """The newest verified checkpoint in ``root``; damaged ones are reported and set aside."""
     for _, folder in reversed(complete(root)):
         try:
@@ -138,8 +138,8 @@ def newest_good(root: Path, log=print) -> Path | None:
             return folder
         except CheckpointError as e:
             moved = quarantine(folder)
-            log(f"warning: {e}; skipped it (moved to {moved.name}) and trying the previous one")
-            prune_set_aside(root, log=log)
+            say(f"warning: {e}; skipped it (moved to {moved.name}) and trying the previous one")
+            prune_set_aside(root, say=say)
     return None
 
 
@@ -273,7 +273,7 @@ def write(state: dict, root: Path, step: int, keep: int) -> Path:
     for _, old in complete(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     if replaced:
-        prune_set_aside(root, log=lambda m: print(m, file=sys.stderr, flush=True))
+        prune_set_aside(root, say=lambda m: print(m, file=sys.stderr, flush=True))
     return final
 
 
@@ -382,7 +382,7 @@ class FolderLock:
             return
         os.close(fd)
 
-    def acquire(self, wait_s: float = 0.0, log=print) -> None:
+    def acquire(self, wait_s: float = 0.0, say=print) -> None:
         """Take the lock for this process, or raise CheckpointError naming the holder (after
         waiting up to ``wait_s`` for it to go: a restarted group's old rank 0 may still be exiting)."""
         self.root.mkdir(parents=True, exist_ok=True)
@@ -392,7 +392,7 @@ class FolderLock:
             if self._stale(info):
                 aside = self.path.with_name(f"{LOCK}.stale-{time.time_ns()}")
                 self.path.rename(aside)
-                log(f"warning: broke the lock of {_holder_text(info)} (no heartbeat for over {self.stale_s:.0f} s: a dead host); moved it to {aside.name}")
+                say(f"warning: broke the lock of {_holder_text(info)} (no heartbeat for over {self.stale_s:.0f} s: a dead host); moved it to {aside.name}")
                 continue
             if time.monotonic() >= deadline:
                 raise self._busy(info)
@@ -604,7 +604,7 @@ def state_bytes(model: nn.Module, cfg: Config) -> int:
     """Bytes of one checkpoint: the weights, plus one copy per optimizer state tensor and Lookahead
     (a model on the meta device will do: only shapes are read)."""
     n = sum(p.numel() * p.element_size() for p in model.parameters())
-    copies = 1 + (2 if cfg.optim.name == "adamw" else int(cfg.optim.momentum > 0)) + int(cfg.optim.ema_every > 0)
+    copies = 1 + (2 if cfg.optim.name == "adamw" else int(cfg.optim.momentum > 0)) + int(cfg.optim.lookahead_every > 0)
     return n * copies
 
 
@@ -617,25 +617,25 @@ class Checkpointer:
     the model into the plain module *before* it is wrapped and compiled, then ``restore`` of the
     optimizer, schedule, Lookahead and counters once they exist."""
 
-    def __init__(self, cfg: Config, is_main: bool, async_save: bool, log=print):
-        self.cfg, self.is_main, self.log = cfg, is_main, log
+    def __init__(self, cfg: Config, is_main: bool, async_save: bool, say=print):
+        self.cfg, self.is_main, self.say = cfg, is_main, say
         self.root = Path(cfg.checkpoint.dir)
         self.parts: dict[str, Stateful] = {}
         self.writer = AsyncWriter() if async_save and is_main else None
         self.async_save = async_save
         self.lock = FolderLock(self.root)
 
-    # -- picking (rank 0) -------------------------------------------------------------------
-    def pick(self, model: nn.Module) -> Path | None:
+    # -- claiming the folder, picking the checkpoint (rank 0) -------------------------------------------------------------------
+    def claim_and_pick(self, model: nn.Module) -> Path | None:
         """Rank 0, before anything is written: the folder is writable and has room, this process
         holds it alone, leftovers are cleaned; returns the checkpoint to resume from (or None)."""
         probe(self.root, state_bytes(model, self.cfg), self.cfg.checkpoint.keep)
         restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
-        self.lock.acquire(wait_s=30.0 if restarted else 0.0, log=self.log)
+        self.lock.acquire(wait_s=30.0 if restarted else 0.0, say=self.say)
         resume = self.cfg.checkpoint.resume
         path = explicit_resume(self.root, resume)
         clean_temporaries(self.root)
-        return newest_good(self.root, log=self.log) if resume == "auto" else path
+        return newest_good(self.root, say=self.say) if resume == "auto" else path
 
     # -- restoring ----------------------------------------------------------------------------
     def read(self, path: Path) -> dict:

@@ -97,7 +97,7 @@ def train(config_file, overrides):
         finally:
             run.watchdog.close()
             run.checkpointer.close()
-            run.log.close()
+            run.metrics.close()
     finally:
         teardown()
     record_exit(code)
@@ -130,7 +130,7 @@ def config(show_keys, config_file, overrides):
 def check(config_file, overrides):
     """Validate config and inputs without training (launchers run this before torchrun)."""
     cfg = load_config(config_file, overrides)  # usage errors before torch is imported
-    from trainer.evaluate import preflight
+    from trainer.check import preflight
 
     preflight(cfg)
     click.echo("ok")
@@ -180,7 +180,6 @@ def launch(nproc_per_node, max_restarts, config_file, overrides):
 def _supervised(torchrun_args: list[str]) -> int:
     from trainer.launch import supervise
 
-    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # restarts get a fresh store (README)
     sys.stdout.flush()
     return supervise(torchrun_args)
 

@@ -81,7 +81,7 @@ def train_ddp(
     mounts = _mounts(checkpoint_mount, checkpoint_dir, data_mount, data_dir, mount_type)
     app = dist.ddp(
         *args, m="trainer", image=image, name="cifar", j=j, gpu=gpu, cpu=cpu, memMB=memMB, h=h,
-        env={"PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})}, max_retries=max_retries, mounts=mounts or None,
+        env={"PYTHONUNBUFFERED": "1", **(env or {})}, max_retries=max_retries, mounts=mounts or None,
     )
     role = app.roles[0]
     # `trainer torchrun`: torchrun that keeps the exit contract (0, 75 saved on a signal, 2 bad input).

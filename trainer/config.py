@@ -15,6 +15,8 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import os
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -119,7 +121,7 @@ class OptimConfig:
     impl: Literal["auto", "fused", "foreach", "loop"] = "auto"
     """Optimizer kernels: fused (one kernel, CUDA), foreach (batched) or a plain loop (auto: fused
     on CUDA, foreach on the CPU)."""
-    ema_every: int = 0
+    lookahead_every: int = 0
     """Lookahead: every N steps pull the weights towards a slow copy (0 = off)."""
 
 
@@ -207,13 +209,6 @@ class DistConfig:
     auto: on for the layers where it sends FACTOR_RATIO (16) times fewer values: seednet's first
     Linear (65,536 x 5,000) at batch 64 per GPU on two GPUs (9 M values instead of 328 M: +7.6%
     images/s on 2 H200s), not at 512 per GPU (4.5x fewer: -3%). The same gradient up to rounding."""
-    update_in_backward: bool = False
-    """bf16 weights under ddp (train.param_dtype): update each gradient bucket's fp32 master
-    weights as soon as that bucket's all-reduce finishes, from DDP's communication hook on a side
-    stream, beside the rest of backward, instead of in optimizer.step() after backward. Off: on 2
-    H200s it bought nothing for seednet alone (7,535 against 7,538 images/s) and cost 7% beside
-    dist.gather_linear_factors (BENCHMARKS.md). Needs dist.comm_hook=none and
-    dist.gradient_as_bucket_view=true."""
     broadcast_buffers: bool = False
     """DDP: copy rank 0's buffers (batch-norm statistics) to every rank before each forward, as
     DDP itself does by default. Off here: it saves a broadcast and its host work per step. Running
@@ -285,7 +280,7 @@ class Config:
             "optim.warmup_start": self.optim.warmup_start,
             "optim.label_smoothing": self.optim.label_smoothing,
             "optim.bias_lr_scale": self.optim.bias_lr_scale,
-            "optim.ema_every": self.optim.ema_every,
+            "optim.lookahead_every": self.optim.lookahead_every,
             "data.train_subset": self.data.train_subset,
             "data.test_subset": self.data.test_subset,
             "data.crop_padding": self.data.crop_padding,
@@ -310,18 +305,7 @@ class Config:
             raise ConfigError("checkpoint.dir must not be empty")
         if self.train.param_dtype == "bf16" and (problem := self.bf16_weights_problem(self.train.strategy)):
             raise ConfigError(problem)
-        if self.dist.update_in_backward and (problem := self.update_in_backward_problem()):
-            raise ConfigError(problem)
         return self
-
-    def update_in_backward_problem(self) -> str | None:
-        """Why DDP's hook cannot update the master weights per bucket with this config, or None."""
-        d = self.dist
-        if d.comm_hook != "none":
-            return f"dist.update_in_backward=true replaces DDP's communication hook; set dist.comm_hook=none (not {d.comm_hook}) or dist.update_in_backward=false"
-        if not d.gradient_as_bucket_view:
-            return "dist.update_in_backward=true reads gradients in their buckets; set dist.gradient_as_bucket_view=true or dist.update_in_backward=false"
-        return None
 
     def bf16_weights_problem(self, strategy: str) -> str | None:
         """Why bf16 working weights cannot work with this config under ``strategy`` (a one-line
@@ -334,8 +318,8 @@ class Config:
             return f"train.param_dtype=bf16 does not work with train.strategy={strategy} ({hint}); set train.param_dtype=fp32 or use ddp"
         if self.optim.name != "sgd":
             return "train.param_dtype=bf16 updates its fp32 master weights with SGD only; set optim.name=sgd or train.param_dtype=fp32"
-        if self.optim.ema_every:
-            return "train.param_dtype=bf16 does not work with Lookahead (optim.ema_every); set optim.ema_every=0 or train.param_dtype=fp32"
+        if self.optim.lookahead_every:
+            return "train.param_dtype=bf16 does not work with Lookahead (optim.lookahead_every); set optim.lookahead_every=0 or train.param_dtype=fp32"
         return None
 
 
@@ -410,7 +394,27 @@ def _unknown(key: str, choices: list[str]) -> ConfigError:
     return ConfigError(f"unknown config key {key!r}{hint}")
 
 
+RENAMED = {"optim.ema_every": "optim.lookahead_every"}
+"""Old key -> its new name: configs saved with the old one (a run folder's config.yaml, a
+checkpoint's) still load, with a one-line warning."""
+REMOVED = {"dist.update_in_backward": "it bought no speed (BENCHMARKS.md)"}
+"""Keys that no longer do anything: accepted with a one-line warning, so saved configs still load."""
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned and os.environ.get("RANK", "0") == "0":
+        print(f"warning: {message}", file=sys.stderr)
+    _warned.add(key)
+
+
 def _apply(cfg: Config, key: str, value: Any) -> None:
+    if key in REMOVED:
+        _warn_once(key, f"config key {key} was removed ({REMOVED[key]}); ignoring it, delete it from the config")
+        return
+    if key in RENAMED:
+        _warn_once(key, f"config key {key} is now {RENAMED[key]}; the old name still works, rename it")
+        key = RENAMED[key]
     section_name, _, name = key.partition(".")
     sections = _sections(cfg)
     if section_name not in sections or not name:

@@ -28,7 +28,6 @@ class Runtime:
     rank: int
     local_rank: int
     world_size: int
-    local_world_size: int
     device: torch.device
     backend: str | None
     """Collective backend when a process group exists, else None."""
@@ -73,7 +72,7 @@ def resolve(cfg: Config) -> Runtime:
         if cfg.dist.backend == "nccl":
             raise ConfigError(f"dist.backend=nccl needs train.strategy=ddp or fsdp under torchrun, not {strategy}")
         device = torch.device("cpu") if strategy == "cpu" else torch.device("cuda", 0)
-        return Runtime(strategy, 0, 0, 1, 1, device, None)
+        return Runtime(strategy, 0, 0, 1, device, None)
 
     # ddp / fsdp
     if not in_group:
@@ -83,7 +82,6 @@ def resolve(cfg: Config) -> Runtime:
         )
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     want = cfg.train.device
     use_cuda = has_cuda if want == "auto" else want == "cuda"
     if use_cuda:
@@ -98,7 +96,7 @@ def resolve(cfg: Config) -> Runtime:
     backend = cfg.dist.backend
     if backend == "auto":
         backend = "nccl" if use_cuda else "gloo"
-    return Runtime(strategy, rank, local_rank, world, local_world, device, backend)
+    return Runtime(strategy, rank, local_rank, world, device, backend)
 
 
 def setup(cfg: Config) -> Runtime:
@@ -111,7 +109,7 @@ def setup(cfg: Config) -> Runtime:
         kwargs: dict[str, Any] = {}
         if rt.backend == "nccl":
             kwargs["device_id"] = rt.device  # eager init: NCCL communicators bind to this GPU now
-            # On a collective timeout torch's watchdog first waits (60 s in torch 2.11) for a
+            # On a collective timeout torch's watchdog first waits (60 s by default) for a
             # flight-recorder dump that nobody asked for; a hung rank then costs that minute on
             # top of dist.timeout_s before torchrun can restart the group. Set them to debug.
             os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")

@@ -1,52 +1,57 @@
-"""``trainer eval`` (a checkpoint's test accuracy) and ``trainer check`` (inputs, before launch)."""
+"""Test accuracy: ``evaluate()`` over the test split (each epoch's evaluation, with test-time
+augmentation by ``predict()``), and ``trainer eval`` of a saved checkpoint."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from trainer import checkpoint, data, models
-from trainer.config import Config, ConfigError, check_devices, from_dict, load_config
+from trainer.config import Config, from_dict, load_config
+from trainer.data import Split
+from trainer.dist import Runtime, all_reduce_sum, setup, teardown
+from trainer.loader import Augment, eval_batches
 
 
-def preflight(cfg: Config) -> None:
-    """The checks a launcher can make once, before torchrun starts any worker: CUDA where asked
-    for, a writable checkpoint folder, a resume path that exists and fits, a data folder that holds
-    data, room for keep + 1 checkpoints, no other run holding the folder. Raises ConfigError (exit
-    2); writes nothing but the folder itself and its lock file."""
-    check_devices(cfg, torch.cuda.is_available())
-    root = Path(cfg.checkpoint.dir)
-    with torch.device("meta"):  # shapes only: no memory, no time
-        shapes = models.build(cfg.model.name)
-    checkpoint.probe(root, checkpoint.state_bytes(shapes, cfg), cfg.checkpoint.keep)
-    checkpoint.FolderLock(root).check()  # another live run writes there: exit 2 now, naming it
-    folder = checkpoint.explicit_resume(root, cfg.checkpoint.resume)
-    if cfg.checkpoint.resume == "auto":
-        folder = checkpoint.newest_complete(root)
-    if folder is not None:
-        folder = folder if folder.is_dir() else folder.parent
-        if (folder / checkpoint.META).is_file():
-            saved = json.loads((folder / checkpoint.META).read_text()).get("model")
-            if saved:
-                checkpoint.check_model(saved, cfg.model.name, folder)
-    d = cfg.data
-    if d.name == "imagefolder":
-        if not Path(d.dir).is_dir():
-            raise ConfigError(f"data.dir={d.dir} does not exist; create it or point data.dir at the data set")
-        for split in ("train", "test"):
-            data.check_archive(data._find_source(Path(d.dir), split))
-    elif d.name == "cifar10" and not d.download and not (Path(d.dir) / "cifar-10-batches-py").is_dir():
-        raise ConfigError(f"CIFAR-10 is not in data.dir={d.dir} and data.download=false; set data.download=true or point data.dir at it")
+@torch.no_grad()
+def predict(model: torch.nn.Module, x: torch.Tensor, tta: str) -> torch.Tensor:
+    """Logits, averaged over the mirror (tta=flip) and one-pixel shifts (flip_translate)."""
+
+    def mirrored(v):
+        out = model(v)
+        return out if tta == "none" else 0.5 * (out + model(v.flip(3)))
+
+    logits = mirrored(x)
+    if tta == "flip_translate":
+        padded = F.pad(x, (1, 1, 1, 1), mode="reflect")
+        logits = 0.5 * logits + 0.25 * (mirrored(padded[:, :, :-2, :-2]) + mirrored(padded[:, :, 2:, 2:]))
+    return logits
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, split: Split, cfg: Config, rt: Runtime, augment: Augment, bf16: bool, beat=None) -> tuple[float, float]:
+    """(test loss, test accuracy). Each rank takes a contiguous shard and every rank runs the same
+    number of batches (sharded models gather weights collectively), so every test image is counted
+    exactly once whatever the world size. ``beat()`` after each batch tells the hang watchdog."""
+    model.eval()
+    sums = torch.zeros(3, device=rt.device, dtype=torch.float64)
+    for x, y in eval_batches(split, rt, cfg.data.eval_batch_size):
+        with torch.autocast(rt.device.type, dtype=torch.bfloat16, enabled=bf16):
+            logits = predict(model, augment.normalize(x), cfg.train.tta).float()
+        sums[0] += F.cross_entropy(logits, y, reduction="sum").double()
+        sums[1] += (logits.argmax(1) == y).sum()
+        sums[2] += len(y)
+        if beat is not None:
+            beat()
+    loss, correct, n = all_reduce_sum(rt, sums).tolist()
+    return loss / n, correct / n
 
 
 def evaluate_checkpoint(path: str, config_file: str | None, overrides) -> tuple[str, float, float, int]:
     """(checkpoint, test loss, test accuracy, test images) of the checkpoint at ``path`` (a step-N
     folder, its state.pt, or a run folder: then its newest complete checkpoint)."""
-    from trainer.dist import setup, teardown
-    from trainer.loader import Augment
-    from trainer.loop import evaluate
     from trainer.setup import Fast
 
     folder = Path(path)

@@ -54,6 +54,7 @@ EXIT_HUNG = 124
 a crash, restarted like one; 124 as timeout(1) exits."""
 
 EXIT_DIR_ENV = "TRAINER_EXIT_DIR"
+SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 COMMAND_START_ENV = "TRAINER_COMMAND_START"
 """When the command started (time.time()): the first step's record reports the seconds since."""
 FORWARDED = {signal.SIGTERM: signal.SIGTERM, signal.SIGINT: signal.SIGINT, signal.SIGHUP: signal.SIGHUP, signal.SIGUSR1: signal.SIGTERM}
@@ -259,7 +260,9 @@ def verdict(torchrun_code: int, codes: list[int]) -> int:
 def supervise(torchrun_args: list[str], poll_s: float = 0.5, grace_s: float = 60.0) -> int:
     """Run ``torchrun ARGS`` and return the contract's exit code (see the module docstring)."""
     exit_dir = Path(tempfile.mkdtemp(prefix="trainer-exit-"))
-    env = {**os.environ, EXIT_DIR_ENV: str(exit_dir)}
+    # torchrun's restarts would reuse the c10d rendezvous store, whose stale keys from the failed
+    # attempt make the new group connect to dead ranks (pytorch issue 167288): a fresh store each time
+    env = {SHARED_STORE_ENV: "1", **os.environ, EXIT_DIR_ENV: str(exit_dir)}
     torchrun_args = with_long_store_reads(torchrun_args)
     cmd = [sys.executable, "-m", "trainer.launch", *torchrun_args]  # torchrun itself, see _torchrun
     got: list[int] = []

@@ -4,56 +4,19 @@ trainer/setup.py and handed in as a :class:`Run`."""
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import torch
-import torch.nn.functional as F
 from torch.profiler import record_function
 
 from trainer import compile_cache, parallel
-from trainer.config import Config, to_yaml
-from trainer.data import Split
-from trainer.dist import Runtime, all_reduce_sum, barrier
-from trainer.faults import crash_point
+from trainer.config import to_yaml
+from trainer.dist import all_reduce_sum, barrier
+from trainer.evaluate import evaluate
 from trainer.launch import EXIT_PREEMPTED
-from trainer.loader import Augment, eval_batches
 from trainer.metrics import StepProfiler, StepTimer, plot_curves, since_command
 from trainer.setup import Run
-
-
-@torch.no_grad()
-def predict(model: torch.nn.Module, x: torch.Tensor, tta: str) -> torch.Tensor:
-    """Logits, averaged over the mirror (tta=flip) and one-pixel shifts (flip_translate)."""
-
-    def mirrored(v):
-        out = model(v)
-        return out if tta == "none" else 0.5 * (out + model(v.flip(3)))
-
-    logits = mirrored(x)
-    if tta == "flip_translate":
-        padded = F.pad(x, (1, 1, 1, 1), mode="reflect")
-        logits = 0.5 * logits + 0.25 * (mirrored(padded[:, :, :-2, :-2]) + mirrored(padded[:, :, 2:, 2:]))
-    return logits
-
-
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, split: Split, cfg: Config, rt: Runtime, augment: Augment, bf16: bool, beat=None) -> tuple[float, float]:
-    """(test loss, test accuracy). Each rank takes a contiguous shard and every rank runs the same
-    number of batches (sharded models gather weights collectively), so every test image is counted
-    exactly once whatever the world size. ``beat()`` after each batch tells the hang watchdog."""
-    model.eval()
-    sums = torch.zeros(3, device=rt.device, dtype=torch.float64)
-    for x, y in eval_batches(split, rt, cfg.data.eval_batch_size):
-        with torch.autocast(rt.device.type, dtype=torch.bfloat16, enabled=bf16):
-            logits = predict(model, augment.normalize(x), cfg.train.tta).float()
-        sums[0] += F.cross_entropy(logits, y, reduction="sum").double()
-        sums[1] += (logits.argmax(1) == y).sum()
-        sums[2] += len(y)
-        if beat is not None:
-            beat()
-    loss, correct, n = all_reduce_sum(rt, sums).tolist()
-    return loss / n, correct / n
+from trainer.stop import crash_point
 
 
 class Trainer:
@@ -89,7 +52,7 @@ class Trainer:
             f"{self.cfg.model.name} | strategy {self.rt.strategy} x{shown} on {self.rt.device.type} | "
             f"{len(r.train_split)} train / {len(r.test_split)} test images | {r.fast} | {where}"
         )
-        r.log.write({"event": "start", "strategy": self.rt.strategy, "world_size": self.rt.world_size, "step": self.state.step,
+        r.metrics.write({"event": "start", "strategy": self.rt.strategy, "world_size": self.rt.world_size, "step": self.state.step,
                      "resumed_from": str(r.resumed_from) if r.resumed_from else None, "fast": str(r.fast)})
         if r.fast.compile or self.rt.cuda:
             self.warm_up()
@@ -111,11 +74,10 @@ class Trainer:
         x = r.augment.train(r.train_split.images[:b].to(self.rt.device), 0, 0, torch.arange(b, device=self.rt.device))
         y = r.train_split.labels[:b].to(self.rt.device)
         r.net.train()
-        with r.masters.paused() if r.masters is not None else contextlib.nullcontext():
-            for i in range(3 if r.fast.cudagraphs else 1):
-                _ = self.forward_backward(x, y).item()
-                r.model.zero_grad(set_to_none=True)  # the model's: with bf16 weights the optimizer holds only their masters
-                clock.mark("compile_and_first_forward_backward" if i == 0 else "cuda_graph_recording")
+        for i in range(3 if r.fast.cudagraphs else 1):
+            _ = self.forward_backward(x, y).item()
+            r.model.zero_grad(set_to_none=True)  # the model's: with bf16 weights the optimizer holds only their masters
+            clock.mark("compile_and_first_forward_backward" if i == 0 else "cuda_graph_recording")
         if r.masters is not None:
             r.masters.warm_up(r.optimizer)
             clock.mark("master_update_compile")
@@ -130,7 +92,7 @@ class Trainer:
             clock.mark("compile_cache_seal (after the first-step clock)")
         if r.compile_cache != "off":
             r.say.line(f"compile cache {r.compile_key}: {r.compile_cache}" + (f"; sealed {cache_bytes / 2**20:.1f} MiB for restarts" if cache_bytes else ""))
-        r.log.write({"event": "first_step", "seconds": round(self.first_step_s, 3), "since_command_s": since, "compiled": r.fast.compile,
+        r.metrics.write({"event": "first_step", "seconds": round(self.first_step_s, 3), "since_command_s": since, "compiled": r.fast.compile,
                      "compile_cache": r.compile_cache, "compile_cache_bytes": cache_bytes,
                      "startup_s": clock.phases, "compile_s": clock.compile_seconds() if r.fast.compile else {}})
 
@@ -191,7 +153,7 @@ class Trainer:
             if self.first_step_s is None:
                 _ = loss.item()  # one-time sync: time to first step includes compilation
                 self.first_step_s = time.perf_counter() - r.started_at
-                r.log.write({"event": "first_step", "seconds": round(self.first_step_s, 3), "since_command_s": since_command()})
+                r.metrics.write({"event": "first_step", "seconds": round(self.first_step_s, 3), "since_command_s": since_command()})
             now = time.perf_counter()  # a host clock read, no sync
             if st.step % cfg.train.log_every == 0 or (cfg.train.log_seconds and now - window_start >= cfg.train.log_seconds):
                 value = (window_loss / window).item()  # CPU-GPU sync point, once per log line
@@ -199,7 +161,7 @@ class Trainer:
                 ips = window * cfg.train.batch_size / (now - window_start)
                 eta = (r.total_steps - st.step) * (now - window_start) / window
                 r.say.step(epoch, cfg.train.epochs, st.epoch_step, r.steps_per_epoch, value, ips, eta)
-                r.log.write({"event": "log", "epoch": epoch, "step": st.step, "loss": round(value, 5),
+                r.metrics.write({"event": "log", "epoch": epoch, "step": st.step, "loss": round(value, 5),
                              "images_per_s": round(ips, 1), "window_steps": window, "lr": r.schedule.get_last_lr()[0]})
                 window_loss.zero_()
                 window, window_start = 0, now
@@ -231,14 +193,14 @@ class Trainer:
         test_loss = test_acc = None
         if last or (epoch + 1) % cfg.train.eval_every == 0:
             parallel.sync_buffers(self.r.model, self.rt)
-            test_loss, test_acc = evaluate(self.r.eval_model, self.r.test_split, self.cfg, self.rt, self.r.augment, self.r.fast.bf16,
+            test_loss, test_acc = evaluate(self.r.model, self.r.test_split, self.cfg, self.rt, self.r.augment, self.r.fast.bf16,
                                           self.r.watchdog.beat)
         if not self.done_steps() or st.epoch_step >= self.r.steps_per_epoch:
             st.epoch, st.epoch_step = epoch + 1, 0
         partial = {"resumed_at_epoch_step": self.resumed_at} if self.resumed_at else {}
         record = {"event": "epoch", "epoch": epoch + 1, "step": st.step, **self.epoch_stats, **partial,
                   "test_loss": None if test_loss is None else round(test_loss, 5), "test_acc": None if test_acc is None else round(test_acc, 5)}
-        self.r.log.write(record)
+        self.r.metrics.write(record)
         acc = "" if test_acc is None else f" | test acc {100 * test_acc:.2f}%"
         self.r.say.line(f"epoch {epoch + 1}/{cfg.train.epochs} | {self._train_figures(acc)}")
         every = cfg.checkpoint.every_epochs
@@ -265,7 +227,7 @@ class Trainer:
             return
         done = r.checkpointer.save(st.step, sync)
         if done is not None:
-            r.log.write({"event": "checkpoint", "step": st.step, "stall_s": round(done[0], 4), "async": done[1]})
+            r.metrics.write({"event": "checkpoint", "step": st.step, "stall_s": round(done[0], 4), "async": done[1]})
         if sync or not r.fast.async_save:  # decided alike on every rank (only rank 0 writes)
             barrier(self.rt)  # the others wait until the checkpoint is on disk
         self.last_saved = st.step
@@ -273,7 +235,7 @@ class Trainer:
 
     def profiled(self, summary: dict | None) -> None:
         if summary is not None:
-            self.r.log.write(summary)
+            self.r.metrics.write(summary)
             self.r.say.line(f"profiled {summary['steps']} steps: {self.r.root}/profile-rank{self.rt.rank}.json and .txt")
 
     def finish(self) -> None:
@@ -281,6 +243,6 @@ class Trainer:
         self.save(sync=True)
         self.r.checkpointer.wait()
         barrier(self.rt)
-        if self.cfg.train.plot and plot_curves(self.r.log, self.r.root / "curves.png"):
+        if self.cfg.train.plot and plot_curves(self.r.metrics, self.r.root / "curves.png"):
             self.r.say.line(f"wrote {self.r.root / 'curves.png'}")
         self.r.say.line(f"done: step {self.state.step}, checkpoints in {self.r.root}")

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -121,25 +119,6 @@ def _sgd_on_masters(masters: list, weights: list, grads: list, buffers: list, lr
         weight.copy_(master)
 
 
-def _sgd_on_master_eager(master: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor | None, lr: float, scale: float,
-                         momentum: float, weight_decay: float, nesterov: bool) -> None:
-    """The same update for one weight, from ``scale`` x its bf16 gradient, as eager kernels (what
-    DDP's hook runs per bucket, where one compiled function would be traced again for every
-    bucket's list of shapes). Plain SGD (no momentum or decay, as the article's) is two kernels, 16
-    bytes a weight: the master reads the bf16 gradient directly, then the copy."""
-    if momentum or weight_decay:
-        d = grad.float().mul_(scale)
-        if weight_decay:
-            d.add_(master, alpha=weight_decay)
-        if momentum:
-            buf.mul_(momentum).add_(d)
-            d = d.add(buf, alpha=momentum) if nesterov else buf
-        master.add_(d, alpha=-lr)
-    else:
-        master.add_(grad, alpha=-lr * scale)
-    weight.copy_(master)
-
-
 class MasterWeights:
     """bf16 working weights for forward and backward, fp32 master weights for the optimizer
     (train.param_dtype=bf16). Built after the checkpoint's weights are loaded and before wrapping:
@@ -157,13 +136,6 @@ class MasterWeights:
         self._update = torch.compile(_sgd_on_masters, dynamic=False) if compiled else _sgd_on_masters
         self._plan: list[tuple[int, list[torch.Tensor], list[torch.Tensor]]] = []
         self._lr: dict[int, torch.Tensor] = {}
-        self._optimizer: torch.optim.Optimizer | None = None
-        self._slot: dict[int, tuple[int, torch.Tensor]] = {}  # id(weight) -> (param group, master)
-        self._done: set[int] = set()  # weights the hook updated this step
-        self.in_backward = False
-        """Updated per bucket by DDP's hook (bucket_hook), not by optimizer.step()."""
-        self.live = True
-        """False while the warm-up runs forward and backward: the hook then only averages."""
 
     def optimized(self, p: torch.Tensor) -> torch.Tensor:
         """What the optimizer holds for model parameter ``p``: its master, or ``p`` itself."""
@@ -190,68 +162,11 @@ class MasterWeights:
             if masters:
                 self._plan.append((i, masters, [weight_of[id(m)] for m in masters]))
         self._lr = {i: torch.zeros((), device=masters[0].device) for i, masters, _ in self._plan}
-        self._slot = {id(w): (i, m) for i, masters, weights in self._plan for m, w in zip(masters, weights, strict=True)}
-        for i, masters, _ in self._plan:  # made here, on the main stream, not first in a hook's side stream
+        for i, masters, _ in self._plan:  # made here, before any compiled step reads them
             if optimizer.param_groups[i]["momentum"]:
                 for m in masters:
                     self._buffer(optimizer, m)
-        self._optimizer = optimizer
         optimizer.register_step_post_hook(lambda opt, args, kwargs: self.step(opt))
-
-    def bucket_hook(self, world: int) -> Callable:
-        """DDP's communication hook for dist.update_in_backward. Each bucket is all-reduced (a sum);
-        the callback then updates the masters of the bucket's weights with lr / world (the mean)
-        and copies them into the bf16 weights. torch runs a CUDA future's callback on a stream of
-        its own that waits for this all-reduce only, and the all-reduce waited for the backward
-        kernels launched before it (the last ones to read these weights), so the update runs while
-        the compute stream goes on with the rest of backward. DDP waits for every callback at the
-        end of backward: the optimizer's step and the next forward see the new weights. Other
-        parameters (biases) have their sums divided by world here and are stepped by the optimizer."""
-        import torch.distributed as dist
-
-        def hook(state, bucket):
-            buf = bucket.buffer()
-            if not self.live:  # the warm-up: averaged gradients, no update
-                buf.div_(world)
-                return dist.all_reduce(buf, async_op=True).get_future().then(lambda f: f.value()[0])
-            params = bucket.parameters()
-            # bucket.gradients() views every gradient with contiguous strides, but DDP lays out a
-            # channels-last weight's gradient in the bucket in the weight's own strides: view it so
-            grads = [g.as_strided(p.shape, p.stride()) for p, g in zip(params, bucket.gradients(), strict=True)]
-
-            def update(fut):
-                self._update_bucket(params, grads, 1.0 / world)
-                return fut.value()[0]
-
-            return dist.all_reduce(buf, async_op=True).get_future().then(update)
-
-        self.in_backward = True
-        return hook
-
-    @torch.no_grad()
-    def _update_bucket(self, params: list[torch.Tensor], grads: list[torch.Tensor], scale: float) -> None:
-        opt, others = self._optimizer, []
-        for p, g in zip(params, grads, strict=True):
-            slot = self._slot.get(id(p))
-            if slot is None:
-                others.append(g)
-                continue
-            i, master = slot
-            self._done.add(id(p))
-            group = opt.param_groups[i]
-            buf = opt.state[master]["momentum_buffer"] if group["momentum"] else None
-            _sgd_on_master_eager(master, p, g, buf, group["lr"], scale, group["momentum"], group["weight_decay"], group["nesterov"])
-        if others:
-            torch._foreach_mul_(others, scale)
-
-    @contextlib.contextmanager
-    def paused(self):
-        """Forward and backward passes that must not move the masters (the warm-up's)."""
-        self.live = False
-        try:
-            yield
-        finally:
-            self.live = True
 
     def _groups(self, optimizer: torch.optim.Optimizer, scratch: bool = False):
         for i, masters, weights in self._plan:
@@ -276,14 +191,6 @@ class MasterWeights:
 
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer) -> None:
-        if self.in_backward:  # DDP's hook has updated them during backward, all but those DDP leaves alone
-            weights = [w for _, _, ws in self._plan for w in ws]
-            left = [w for w in weights if id(w) not in self._done and w.grad is not None]  # e.g. dist.gather_linear_factors' weights
-            self._update_bucket(left, [w.grad for w in left], 1.0)  # their gradients arrive as the mean already
-            for w in weights:
-                w.grad = None
-            self._done.clear()
-            return
         for masters, weights, grads, buffers, lr, group in self._groups(optimizer):
             if any(g is None for g in grads):
                 raise RuntimeError("a bf16 weight got no gradient this step; train.param_dtype=bf16 needs every weight used")
@@ -294,9 +201,6 @@ class MasterWeights:
 
     @torch.no_grad()
     def warm_up(self, optimizer: torch.optim.Optimizer) -> None:
-        """Compile the update before the clock starts, on scratch copies (the real state stays).
-        Updated in backward, the eager per-bucket update has nothing to compile."""
-        if self.in_backward:
-            return
+        """Compile the update before the clock starts, on scratch copies (the real state stays)."""
         for masters, weights, grads, buffers, lr, group in self._groups(optimizer, scratch=True):
             self._update(masters, weights, grads, buffers, lr, group["momentum"], group["weight_decay"], group["nesterov"])

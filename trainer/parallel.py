@@ -9,7 +9,6 @@ how it comes back).
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -33,10 +32,9 @@ class WithLoss(nn.Module):
         return self.criterion(self.model(x), y)
 
 
-def wrap(model: nn.Module, criterion: nn.Module, cfg: Config, rt: Runtime, compile_model: bool, bf16: bool, mode: str = "default",
-         bucket_hook: Callable | None = None) -> nn.Module:
+def wrap(model: nn.Module, criterion: nn.Module, cfg: Config, rt: Runtime, compile_model: bool, bf16: bool, mode: str = "default") -> nn.Module:
     """The module that training calls, ``net(images, labels) -> loss``; ``model`` itself stays
-    usable for evaluation. ``bucket_hook``: DDP's communication hook (MasterWeights.bucket_hook)."""
+    usable for evaluation."""
     if rt.strategy == "dp":
         # DataParallel copies the module to every GPU on every forward, from one process: the GIL
         # and the copies are why the article found it slow. Kept for comparison; never compiled.
@@ -53,15 +51,13 @@ def wrap(model: nn.Module, criterion: nn.Module, cfg: Config, rt: Runtime, compi
             gathered = gather_linear_factors(model, cfg.train.batch_size, rt.world_size, force=bool(d.gather_linear_factors))
             # DDP leaves these weights alone: their gradients arrive already summed over the ranks
             ddp._set_params_and_buffers_to_ignore_for_model(net, [f"model.{n}.{k}" for n in gathered for k in ("weight", "bias")])
-        # torch 2.14 renamed the per-forward buffer broadcast (the old name warns); 2.11 has only the old one
+        # torch 2.14 (pinned) renamed the per-forward buffer broadcast (the old name warns); the GPU machines' 2.11 has only the old one
         sync = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(ddp.__init__).parameters else "broadcast_buffers"
         net = ddp(
             net, device_ids=[rt.device.index] if rt.cuda else None, bucket_cap_mb=d.bucket_mb,
             gradient_as_bucket_view=d.gradient_as_bucket_view, static_graph=d.static_graph, **{sync: d.broadcast_buffers},
         )
-        if bucket_hook is not None:
-            net.register_comm_hook(None, bucket_hook)
-        elif d.comm_hook != "none":
+        if d.comm_hook != "none":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
             hook = default_hooks.bf16_compress_hook if d.comm_hook == "bf16" else default_hooks.fp16_compress_hook

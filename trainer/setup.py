@@ -16,10 +16,10 @@ from trainer import compile_cache, data, models, parallel
 from trainer.checkpoint import Checkpointer, ModelPart, OptimizerPart, TrainState
 from trainer.config import Config, ConfigError
 from trainer.dist import Runtime, agree, broadcast
-from trainer.faults import StopFlag
 from trainer.loader import Augment, make_train_loader
 from trainer.metrics import Progress, RunLog, Startup
 from trainer.optim import Lookahead, MasterWeights, build_optimizer, build_schedule
+from trainer.stop import StopFlag
 from trainer.watchdog import Watchdog
 
 
@@ -35,8 +35,6 @@ class Fast:
     bf16_weights: bool = False
     compile_mode: str = "default"
     """model.compile_mode with auto resolved (see ModelConfig.compile_mode)."""
-    update_in_backward: bool = False
-    """dist.update_in_backward: bf16 masters updated per bucket in DDP's hook."""
 
     @classmethod
     def resolve(cls, cfg: Config, rt: Runtime) -> Fast:
@@ -48,9 +46,6 @@ class Fast:
         if cfg.train.param_dtype == "bf16" and not bf16:
             raise ConfigError("train.param_dtype=bf16 needs bf16 autocast, which auto turns on only on GPUs; set train.precision=bf16 or train.param_dtype=fp32")
         bf16_weights = cfg.train.param_dtype == "bf16" or (cfg.train.param_dtype == "auto" and bf16 and cfg.bf16_weights_problem(rt.strategy) is None)
-        if cfg.dist.update_in_backward and not (bf16_weights and rt.strategy == "ddp"):
-            raise ConfigError("dist.update_in_backward=true needs bf16 weights under ddp; set train.param_dtype=bf16 and train.strategy=ddp, "
-                              "or dist.update_in_backward=false")
         if cfg.model.compile and rt.strategy == "dp":
             raise ConfigError("model.compile=true does not work with train.strategy=dp; use model.compile=false (or auto) or train.strategy=ddp")
         return cls(
@@ -61,7 +56,6 @@ class Fast:
             device_resident=cfg.data.device_resident,
             async_save=auto(cfg.checkpoint.async_save),
             compile_mode=resolve_compile_mode(cfg.model.compile_mode, rt.strategy, rt.cuda),
-            update_in_backward=cfg.dist.update_in_backward,
         )
 
     @property
@@ -92,7 +86,6 @@ class Run:
     train_split: data.Split
     test_split: data.Split
     model: nn.Module
-    eval_model: nn.Module
     net: nn.Module
     optimizer: torch.optim.Optimizer
     schedule: Any
@@ -103,7 +96,8 @@ class Run:
     total_steps: int
     stop: StopFlag
     checkpointer: Checkpointer
-    log: RunLog
+    metrics: RunLog
+    """metrics.jsonl (and TensorBoard): one record per event; ``say`` prints."""
     say: Progress
     resumed_from: Path | None
     started_at: float
@@ -129,20 +123,20 @@ def build(cfg: Config, rt: Runtime, started_at: float | None = None) -> Run:
         torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = not cfg.train.deterministic
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = not cfg.train.deterministic
-    if cfg.optim.ema_every and rt.strategy == "fsdp":
-        raise ConfigError("optim.ema_every (Lookahead) does not work with train.strategy=fsdp; set optim.ema_every=0 or use ddp")
+    if cfg.optim.lookahead_every and rt.strategy == "fsdp":
+        raise ConfigError("optim.lookahead_every (Lookahead) does not work with train.strategy=fsdp; set optim.lookahead_every=0 or use ddp")
 
     torch.manual_seed(cfg.train.seed)  # same initial weights on every rank
     with torch.device(rt.device):  # initialised where it trains: seconds less for seednet's 604 M weights on a GPU
         model = models.build(cfg.model.name)
     clock.mark("model")
-    ckpt = Checkpointer(cfg, rt.is_main, fast.async_save, log=say.line)
+    ckpt = Checkpointer(cfg, rt.is_main, fast.async_save, say=say.line)
     model_part = ModelPart(model, rt.strategy, cfg.model.name)
 
     resumed_from, error = None, None
     if rt.is_main:
         try:
-            resumed_from = ckpt.pick(model)  # also takes the run folder's lock (one writer)
+            resumed_from = ckpt.claim_and_pick(model)  # the run folder's lock (one writer), then the checkpoint
         except ConfigError as e:
             error = e
     agree(rt, error)
@@ -186,15 +180,14 @@ def build(cfg: Config, rt: Runtime, started_at: float | None = None) -> Run:
         masters = MasterWeights(model, compiled=fast.compile)
         model_part.masters = masters
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing)
-    bucket_hook = masters.bucket_hook(rt.world_size) if fast.update_in_backward else None
-    net = parallel.wrap(model, criterion, cfg, rt, fast.compile, fast.bf16, fast.compile_mode, bucket_hook)
+    net = parallel.wrap(model, criterion, cfg, rt, fast.compile, fast.bf16, fast.compile_mode)
     clock.mark("wrap")
     optimizer = build_optimizer(model, cfg, rt.cuda, sharded=rt.strategy == "fsdp", masters=masters)
     clock.mark("optimizer")  # the first optimizer imports torch._dynamo (seconds), which compiling needs anyway
     total = steps_per_epoch * cfg.train.epochs
     total = min(total, cfg.train.max_steps) if cfg.train.max_steps else total
     schedule = build_schedule(optimizer, cfg, total, steps_per_epoch)
-    lookahead = Lookahead(model, cfg.optim.ema_every) if cfg.optim.ema_every else None
+    lookahead = Lookahead(model, cfg.optim.lookahead_every) if cfg.optim.lookahead_every else None
     ckpt.register(model=model_part, optimizer=OptimizerPart(model, optimizer, rt.strategy, masters),
                   scheduler=schedule, lookahead=lookahead, train=state)
     if saved is not None:
@@ -203,11 +196,11 @@ def build(cfg: Config, rt: Runtime, started_at: float | None = None) -> Run:
     test_split = data.Split(test_split.images.to(rt.device), test_split.labels.to(rt.device), test_split.classes) if fast.device_resident else test_split
     return Run(
         cfg=cfg, rt=rt, fast=fast, root=root, state=state, train_split=train_split, test_split=test_split,
-        model=model, eval_model=model, net=net, optimizer=optimizer, schedule=schedule, lookahead=lookahead,
+        model=model, net=net, optimizer=optimizer, schedule=schedule, lookahead=lookahead,
         loader=make_train_loader(cfg, rt, train_split, fast.device_resident, augment), augment=augment,
         steps_per_epoch=steps_per_epoch, total_steps=total, stop=StopFlag(rt),
         checkpointer=ckpt,
-        log=RunLog(root, rt, cfg.train.tensorboard, state.step if resumed_from else None), say=say, resumed_from=resumed_from, started_at=started_at,
+        metrics=RunLog(root, rt, cfg.train.tensorboard, state.step if resumed_from else None), say=say, resumed_from=resumed_from, started_at=started_at,
         compile_cache=cache, compile_key=cache_key, masters=masters, startup=clock,
         watchdog=Watchdog(cfg.dist.hang_timeout_s, root, rt.rank),
     )

@@ -17,7 +17,7 @@ seednet (our trainer: batch 64 and 256 per GPU, DDP and FSDP, the fast path on a
 (async against sync checkpoint), recipes (the speed recipe on real data), resnet18 (the
 default recipe on real data, all GPUs), resnet18-scaling (the default recipe on one GPU, then on all),
 restart (command -> first step, cold on a fresh node then warm from the volume, every shipped config),
-seednet-weights (bf16 working weights, masters updated in DDP's hook against after backward, beside the
+seednet-weights (bf16 working weights, gradients all-reduced against the first Linear's from gathered factors, beside the
 article's DDP; batch 1024; --more: one GPU, fp32 weights, without CUDA graphs), resnet18-ddp-diagnosis (one GPU at two GPUs' per-GPU batch; a profile of two).
 """
 
@@ -44,7 +44,7 @@ PLAIN = ["train.precision=fp32", "model.compile=false", "model.channels_last=fal
 # (the recipes suite's fast-1gpu).
 ABLATION = [
     ("random-flip", ["data.flip_mode=random"]),
-    ("no-lookahead", ["optim.ema_every=0"]),
+    ("no-lookahead", ["optim.lookahead_every=0"]),
     ("eager", ["model.compile=false"]),
     ("no-cudagraphs", ["model.compile_mode=default"]),
     ("airbench-schedule", ["optim.warmup_epochs=2.0", "optim.final_lr_fraction=0"]),
@@ -263,14 +263,10 @@ def suites(args, out: Path, tmp: Path, gpus: int) -> None:
         if gpus > 1:
             run_case("article-ddp", cmd_for(gpus, "trainer.bench.article", ["--mode", "ddp"]), out, 600)
         # bf16 weights under DDP, each way of moving their gradients (explicit, whatever the defaults):
-        # -after: masters updated after backward, DDP all-reduces every gradient;
-        # -hook: masters updated per bucket in DDP's hook (dist.update_in_backward); -gather: the first
-        # Linear's gradient from all-gathered factors (dist.gather_linear_factors)
+        # -after: DDP all-reduces every gradient; -gather: the first Linear's gradient from
+        # all-gathered factors (dist.gather_linear_factors)
         bf16w, plain_mode = ["train.param_dtype=bf16"], ["model.compile_mode=default"]
-        ways = {"after": ["dist.update_in_backward=false", "dist.gather_linear_factors=false"],
-                "hook": ["dist.update_in_backward=true", "dist.gather_linear_factors=false"],
-                "gather": ["dist.update_in_backward=false", "dist.gather_linear_factors=auto"],
-                "hook-gather": ["dist.update_in_backward=true", "dist.gather_linear_factors=auto"]}
+        ways = {"after": ["dist.gather_linear_factors=false"], "gather": ["dist.gather_linear_factors=auto"]}
         if gpus > 1:
             for way, extra in ways.items():
                 ours(out, tmp, f"ours-ddp-b64-bf16w-{way}", gpus, 64, [*bf16w, *extra])

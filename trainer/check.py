@@ -1,0 +1,41 @@
+"""``trainer check``: every check of a run's input that needs no training, in one pass."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from trainer import checkpoint, data, models
+from trainer.config import Config, ConfigError, check_devices
+
+
+def preflight(cfg: Config) -> None:
+    """The checks a launcher can make once, before torchrun starts any worker: CUDA where asked
+    for, a writable checkpoint folder, a resume path that exists and fits, a data folder that holds
+    data, room for keep + 1 checkpoints, no other run holding the folder. Raises ConfigError (exit
+    2); writes nothing but the folder itself and its lock file."""
+    check_devices(cfg, torch.cuda.is_available())
+    root = Path(cfg.checkpoint.dir)
+    with torch.device("meta"):  # shapes only: no memory, no time
+        shapes = models.build(cfg.model.name)
+    checkpoint.probe(root, checkpoint.state_bytes(shapes, cfg), cfg.checkpoint.keep)
+    checkpoint.FolderLock(root).check()  # another live run writes there: exit 2 now, naming it
+    folder = checkpoint.explicit_resume(root, cfg.checkpoint.resume)
+    if cfg.checkpoint.resume == "auto":
+        folder = checkpoint.newest_complete(root)
+    if folder is not None:
+        folder = folder if folder.is_dir() else folder.parent
+        if (folder / checkpoint.META).is_file():
+            saved = json.loads((folder / checkpoint.META).read_text()).get("model")
+            if saved:
+                checkpoint.check_model(saved, cfg.model.name, folder)
+    d = cfg.data
+    if d.name == "imagefolder":
+        if not Path(d.dir).is_dir():
+            raise ConfigError(f"data.dir={d.dir} does not exist; create it or point data.dir at the data set")
+        for split in ("train", "test"):
+            data.check_archive(data._find_source(Path(d.dir), split))
+    elif d.name == "cifar10" and not d.download and not (Path(d.dir) / "cifar-10-batches-py").is_dir():
+        raise ConfigError(f"CIFAR-10 is not in data.dir={d.dir} and data.download=false; set data.download=true or point data.dir at it")
