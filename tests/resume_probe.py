@@ -4,7 +4,7 @@ build() and Trainer, and write (rank 0) what a resume must reproduce, tensor for
     python tests/resume_probe.py OUT key=value...      # or: torchrun ... tests/resume_probe.py OUT ...
 
 OUT gets ``restored`` (the layout of every live tensor right after build(): the model's
-parameters and buffers, the optimizer's per-parameter state, Lookahead's copies), ``final``
+parameters and buffers, the optimizer's per-parameter state, bf16 weights' masters, Lookahead's copies), ``final``
 (the same at the end), ``values`` (the final saved state, flattened per key) and ``resumed``.
 A layout is (dtype, device type, shape, strides).
 """
@@ -28,12 +28,10 @@ def layout(t: torch.Tensor) -> tuple:
 
 def live_layout(run) -> dict[str, tuple]:
     model = unwrap(run.model)
-    sd = model.state_dict(keep_vars=True)
-    out = {f"model/{k}": layout(v) for k, v in (run.masters.state_dict(sd) if run.masters else sd).items()}
+    out = {f"model/{k}": layout(v) for k, v in model.state_dict(keep_vars=True).items()}
     names = {id(p): n for n, p in model.named_parameters()}
-    if run.masters:  # train.param_dtype=bf16: the bf16 working weights too; the optimizer holds their masters
-        out.update({f"working/{n}": layout(p) for n, p in run.masters.named})
-        names.update({id(m): n for n, m in run.masters.masters.items()})
+    if run.masters:  # train.param_dtype=bf16: the fp32 masters and their momentum
+        out.update({f"masters/{kind}/{n}": layout(t) for kind, ts in run.masters.state_dict().items() for n, t in ts.items()})
     for group in run.optimizer.param_groups:
         for p in group["params"]:
             for key, v in run.optimizer.state.get(p, {}).items():
@@ -65,7 +63,7 @@ def main() -> None:
     final = live_layout(run)
     state = run.checkpointer.collect()  # a collective under fsdp
     if rt.is_main:
-        values = flat({k: state[k] for k in ("model", "optimizer", "lookahead") if state.get(k) is not None})
+        values = flat({k: state[k] for k in ("model", "optimizer", "masters", "lookahead") if state.get(k) is not None})
         torch.save({"restored": restored, "final": final, "values": values, "resumed": run.resumed_from is not None,
                     "step": run.state.step, "code": code}, out)
     run.checkpointer.close()

@@ -56,8 +56,8 @@ def test_fused_optimizer_needs_cuda():
 @pytest.mark.parametrize("momentum, nesterov, wd", [(0.0, False, 0.0), (0.9, False, 5e-4), (0.9, True, 5e-4)])
 def test_bf16_weights_follow_torch_sgd_on_their_fp32_masters(compiled, momentum, nesterov, wd):
     """train.param_dtype=bf16: the masters take torch.optim.SGD's steps from the bf16 gradients
-    (same lr schedule, momentum kept in the optimizer's state), and the working weights are the
-    masters rounded to bf16 after every step."""
+    (same lr schedule and momentum), and the working weights are the masters rounded to bf16 after
+    every step; the optimizer holds the working weights and steps only the other parameters."""
     from trainer.optim import MasterWeights, build_schedule
 
     torch.manual_seed(0)
@@ -93,8 +93,33 @@ def test_bf16_weights_follow_torch_sgd_on_their_fp32_masters(compiled, momentum,
             assert torch.equal(dict(model.named_parameters())[name], masters.masters[name].bfloat16())
         for i in (1, 2, 3, 5):
             torch.testing.assert_close(list(model.parameters())[i], reference[i], rtol=1e-6, atol=1e-7)
-    if momentum:
-        assert all("momentum_buffer" in opt.state[m] for m in masters.masters.values())
+    assert set(masters.momentum) == ({"0.weight", "3.weight"} if momentum else set())
+    assert not any(opt.state.get(p) for _, p in masters.named)  # the masters' momentum has one home
+
+
+def test_masters_are_a_checkpoint_part_of_their_own():
+    """The fp32 masters and their momentum save and load as one part; without them (a checkpoint of
+    an fp32 run) they start from the restored weights with zero momentum."""
+    from trainer.optim import MasterWeights
+
+    cfg = load_config(None, ["optim.momentum=0.9", "train.precision=bf16", "train.param_dtype=bf16"])
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    masters = MasterWeights(model, compiled=False)
+    opt = build_optimizer(model, cfg, cuda=False, masters=masters)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.randn(5, 4)).float().sum().backward()
+    opt.step()
+    saved = {k: {n: t.clone() for n, t in v.items()} for k, v in masters.state_dict().items()}
+    assert set(saved["weights"]) == set(saved["momentum"]) == {"0.weight", "1.weight"}
+    assert all(t.dtype == torch.float32 for v in saved.values() for t in v.values())
+    for t in [*masters.masters.values(), *masters.momentum.values()]:
+        t.zero_()
+    masters.load_state_dict(saved)
+    assert all(torch.equal(masters.masters[n], saved["weights"][n]) for n in saved["weights"])
+    assert torch.equal(model[0].weight, saved["weights"]["0.weight"].bfloat16())  # the working copy follows
+    masters.from_model()
+    assert torch.equal(masters.masters["0.weight"], model[0].weight.float())
+    assert all(not b.any() for b in masters.momentum.values())
 
 
 def test_bf16_weights_are_refused_where_they_cannot_work():

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from trainer import checkpoint, data, models
+from trainer import checkpoint, data
 from trainer.config import Config, ConfigError, check_devices
 
 
@@ -18,9 +18,7 @@ def preflight(cfg: Config) -> None:
     2); writes nothing but the folder itself and its lock file."""
     check_devices(cfg, torch.cuda.is_available())
     root = Path(cfg.checkpoint.dir)
-    with torch.device("meta"):  # shapes only: no memory, no time
-        shapes = models.build(cfg.model.name)
-    checkpoint.probe(root, checkpoint.state_bytes(shapes, cfg), cfg.checkpoint.keep)
+    checkpoint.probe(root, checkpoint.state_bytes(cfg), cfg.checkpoint.keep)
     checkpoint.FolderLock(root).check()  # another live run writes there: exit 2 now, naming it
     folder = checkpoint.explicit_resume(root, cfg.checkpoint.resume)
     if cfg.checkpoint.resume == "auto":

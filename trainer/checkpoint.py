@@ -10,11 +10,14 @@ is used; a damaged one is reported, renamed ``step-N.corrupt`` and skipped for t
 Loading uses ``weights_only=True``: a checkpoint is untrusted input and a pickle that would run
 code is refused.
 
-State. A checkpoint holds the parts a run registers (``model``, ``optimizer``, ``scheduler``,
-``lookahead``, and the train counters at the top level), each with ``state_dict()`` and
-``load_state_dict()``, plus the model's name and the resolved config. Restoring gives every tensor
-back with the dtype, device and memory format (strides) of the live run: a channels-last weight's
-momentum buffer comes back channels-last, which the fused optimizers require.
+State. A checkpoint holds the parts a run registers (``model``, ``optimizer``, ``masters`` with
+bf16 weights, ``scheduler``, ``lookahead``, and the train counters at the top level), each with
+``state_dict()`` and ``load_state_dict()`` and each the one owner of its state, plus the model's
+name and the resolved config. The model and optimizer go through
+``torch.distributed.checkpoint.state_dict``: full tensors by parameter name for every strategy, so
+any checkpoint resumes under any strategy and world size. Restoring gives every tensor back with
+the dtype, device and memory format (strides) of the live run: a channels-last weight's momentum
+buffer comes back channels-last, which the fused optimizers require.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from trainer import models
 from trainer.config import Config, ConfigError, to_dict
 from trainer.models import unwrap
 from trainer.stop import crash_point
@@ -462,62 +466,58 @@ class TrainState:
         self.epoch, self.epoch_step, self.step = state["epoch"], state["epoch_step"], state["step"]
 
 
-class ModelPart:
-    """The plain module's weights and buffers (no ``module.``/``_orig_mod.`` prefix), full on rank 0
-    under fsdp (a collective: every rank must call state_dict)."""
+# Through torch.distributed.checkpoint.state_dict, the same calls for every strategy: the plain
+# module's names (no ``module.``/``_orig_mod.`` prefix), full tensors (gathered under fsdp, where
+# every rank must call), optimizer state keyed by parameter name so that a checkpoint of any
+# strategy and world size resumes under any other.
+def _full(strict: bool = True) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    def __init__(self, model: nn.Module, strategy: str, name: str):
-        self.model, self.strategy, self.name = unwrap(model), strategy, name
-        self.masters = None  # MasterWeights (train.param_dtype=bf16): saved in place of the bf16 weights
+    # no cpu_offload: a GPU tensor goes to host memory once, in the save's own (pinned) copy
+    return StateDictOptions(full_state_dict=True, strict=strict)
+
+
+class ModelPart:
+    """The model's weights and buffers."""
+
+    def __init__(self, model: nn.Module, name: str):
+        self.model, self.name = unwrap(model), name
 
     def state_dict(self) -> dict:
-        if self.strategy == "fsdp":
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-            return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        sd = self.model.state_dict()
-        return self.masters.state_dict(sd) if self.masters else sd
+        return get_model_state_dict(self.model, options=_full())
 
     def load_state_dict(self, state: dict, where: Path | str = "checkpoint") -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
         try:
-            self.model.load_state_dict(state)  # copies into the live tensors: their layout stays
-        except RuntimeError as e:
-            detail = next((line.strip() for line in str(e).splitlines()[1:] if line.strip()), str(e))
+            set_model_state_dict(self.model, dict(state), options=_full())  # copies into the live tensors: their layout stays
+        except (RuntimeError, KeyError) as e:
+            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+            detail = lines[1] if len(lines) > 1 else (lines[0] if lines else repr(e))
             raise CheckpointError(f"checkpoint {where} does not fit model {self.name} ({detail}); use a checkpoint of this model") from None
-        if self.masters:
-            self.masters.load_state_dict(state)
 
 
 class OptimizerPart:
-    """Optimizer state keyed by parameter *name*, so a checkpoint of any strategy and world size
-    resumes under any other (fsdp: a collective, the full state on rank 0)."""
+    """The optimizer's state and param groups, by parameter name."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str, masters: Any = None):
-        self.model, self.optimizer, self.strategy, self.masters = unwrap(model), optimizer, strategy, masters
-
-    def _names(self) -> list[str]:
-        held = self.masters.optimized if self.masters else (lambda p: p)
-        name_of = {id(held(p)): n for n, p in self.model.named_parameters()}
-        return [name_of[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = unwrap(model), optimizer
 
     def state_dict(self) -> dict:
-        if self.strategy == "fsdp":
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-            return get_optimizer_state_dict(self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        sd, names = self.optimizer.state_dict(), self._names()
-        groups = [{**g, "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]]
-        return {"state": {names[i]: v for i, v in sd["state"].items()}, "param_groups": groups}
+        # An optimizer without state yet (SGD without momentum) first takes one step of zero
+        # gradients at lr 0 inside torch: nothing moves.
+        return get_optimizer_state_dict(self.model, self.optimizer, options=_full())
 
     def load_state_dict(self, state: dict) -> None:
-        if self.strategy == "fsdp":
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-            set_optimizer_state_dict(self.model, self.optimizer, state, options=StateDictOptions(full_state_dict=True))
-        else:
-            index = {n: i for i, n in enumerate(self._names())}
-            groups = [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]]
-            self.optimizer.load_state_dict({"state": {index[n]: v for n, v in state["state"].items()}, "param_groups": groups})
+        # not strict: parameters with no state of their own (bf16 weights: their masters' momentum
+        # is the masters' part) or none yet (a momentum-free group) are legitimate
+        set_optimizer_state_dict(self.model, self.optimizer, state, options=_full(strict=False))
         self._match_parameters()
 
     @torch.no_grad()
@@ -600,12 +600,14 @@ class AsyncWriter:
 # The one owner.
 
 
-def state_bytes(model: nn.Module, cfg: Config) -> int:
-    """Bytes of one checkpoint: the weights, plus one copy per optimizer state tensor and Lookahead
-    (a model on the meta device will do: only shapes are read)."""
+def state_bytes(cfg: Config) -> int:
+    """Bytes of one checkpoint: the weights, plus one copy per optimizer state tensor and Lookahead,
+    plus half for bf16 working weights beside their fp32 masters (the upper bound under auto)."""
+    with torch.device("meta"):  # shapes only: no memory, no time
+        model = models.build(cfg.model.name)
     n = sum(p.numel() * p.element_size() for p in model.parameters())
     copies = 1 + (2 if cfg.optim.name == "adamw" else int(cfg.optim.momentum > 0)) + int(cfg.optim.lookahead_every > 0)
-    return n * copies
+    return int(n * (copies + 0.5 * (cfg.train.param_dtype != "fp32")))
 
 
 class Checkpointer:
@@ -613,9 +615,8 @@ class Checkpointer:
     (synchronously, or through a pinned snapshot and a background write). Rank 0 writes; every
     rank calls :meth:`save` (under fsdp the state is gathered collectively).
 
-    Order of a resume (the same for every strategy): ``pick`` (rank 0), ``read``, ``restore`` of
-    the model into the plain module *before* it is wrapped and compiled, then ``restore`` of the
-    optimizer, schedule, Lookahead and counters once they exist."""
+    A resume: ``claim_and_pick`` (rank 0) before anything is built, then, once every part exists
+    and is registered, one ``restore``."""
 
     def __init__(self, cfg: Config, is_main: bool, async_save: bool, say=print):
         self.cfg, self.is_main, self.say = cfg, is_main, say
@@ -626,10 +627,10 @@ class Checkpointer:
         self.lock = FolderLock(self.root)
 
     # -- claiming the folder, picking the checkpoint (rank 0) -------------------------------------------------------------------
-    def claim_and_pick(self, model: nn.Module) -> Path | None:
+    def claim_and_pick(self) -> Path | None:
         """Rank 0, before anything is written: the folder is writable and has room, this process
         holds it alone, leftovers are cleaned; returns the checkpoint to resume from (or None)."""
-        probe(self.root, state_bytes(model, self.cfg), self.cfg.checkpoint.keep)
+        probe(self.root, state_bytes(self.cfg), self.cfg.checkpoint.keep)
         restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
         self.lock.acquire(wait_s=30.0 if restarted else 0.0, say=self.say)
         resume = self.cfg.checkpoint.resume
@@ -638,24 +639,23 @@ class Checkpointer:
         return newest_good(self.root, say=self.say) if resume == "auto" else path
 
     # -- restoring ----------------------------------------------------------------------------
-    def read(self, path: Path) -> dict:
-        """The checkpoint at ``path``, checked against this run's model. Rank 0 verified size and
-        checksum when it picked it under resume=auto; an explicit path is verified here."""
+    def restore(self, path: Path) -> None:
+        """Load the checkpoint at ``path`` into every registered part, in registration order
+        (the model first). Rank 0 verified size and checksum when it picked it under resume=auto;
+        an explicit path is verified here. A part the checkpoint lacks (Lookahead switched on
+        later, bf16 weights after an fp32 run) starts from the restored weights."""
         state = load(path, verify_checksum=self.is_main and self.cfg.checkpoint.resume != "auto")
         check_model(state.get("model_name"), self.cfg.model.name, path)
-        return state
-
-    def restore(self, state: dict, parts: dict[str, Stateful], where: Path | str = "checkpoint") -> None:
-        """Load ``state`` into ``parts`` (a subset of what a checkpoint holds: "model" first, the
-        rest once the optimizer exists). A part the checkpoint lacks (Lookahead switched on later)
-        keeps its fresh state."""
-        for key, part in parts.items():
+        for key, part in self.parts.items():
             if key == "train":
                 part.load_state_dict(state)
             elif key == "model":
-                part.load_state_dict(state["model"], where)  # type: ignore[call-arg]
+                part.load_state_dict(state["model"], path)  # type: ignore[call-arg]
             elif state.get(key) is not None:
                 part.load_state_dict(state[key])
+            elif hasattr(part, "from_model"):
+                self.say(f"{path} has no {key} state; it starts from the checkpoint's weights")
+                part.from_model()
 
     # -- saving -------------------------------------------------------------------------------
     def register(self, **parts: Stateful | None) -> None:

@@ -69,7 +69,7 @@ def evaluate_checkpoint(path: str, config_file: str | None, overrides) -> tuple[
         fast = Fast.resolve(cfg, rt)
         model = models.build(cfg.model.name)
         checkpoint.check_model(state.get("model_name"), cfg.model.name, Path(path))
-        checkpoint.ModelPart(model, "single", cfg.model.name).load_state_dict(state["model"], path)
+        checkpoint.ModelPart(model, cfg.model.name).load_state_dict(state["model"], path)
         model.to(rt.device)
         if fast.channels_last:
             model.to(memory_format=torch.channels_last)

@@ -257,6 +257,32 @@ def verdict(torchrun_code: int, codes: list[int]) -> int:
     return torchrun_code if torchrun_code not in (EXIT_OK, EXIT_USAGE, EXIT_PREEMPTED) else EXIT_CRASH
 
 
+def _watch(proc: subprocess.Popen, exit_dir: Path, watch: LostRendezvous, poll_s: float, grace_s: float) -> tuple[int, bool]:
+    """Wait for torchrun, meanwhile killing hung workers and stopping it when its rendezvous is
+    lost or a worker exited with bad input; (its exit code, stopped for bad input)."""
+    while True:
+        try:
+            return proc.wait(timeout=poll_s), False
+        except subprocess.TimeoutExpired:
+            pass
+        kill_hung_workers(exit_dir)
+        lost = watch.check()
+        if lost:
+            print(lost, file=sys.stderr, flush=True)
+            proc.kill()  # it has no worker left to stop
+            proc.wait()
+            return EXIT_CRASH, False
+        if EXIT_USAGE in recorded(exit_dir):  # bad input: torchrun would retry it as a crash
+            _say_usage_error(exit_dir)
+            print(f"a worker exited {EXIT_USAGE} (bad input); stopping torchrun without restarts", file=sys.stderr, flush=True)
+            proc.terminate()
+            try:
+                return proc.wait(timeout=grace_s), True
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                return proc.wait(), True
+
+
 def supervise(torchrun_args: list[str], poll_s: float = 0.5, grace_s: float = 60.0) -> int:
     """Run ``torchrun ARGS`` and return the contract's exit code (see the module docstring)."""
     exit_dir = Path(tempfile.mkdtemp(prefix="trainer-exit-"))
@@ -281,33 +307,8 @@ def supervise(torchrun_args: list[str], poll_s: float = 0.5, grace_s: float = 60
 
     proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=die_with_parent)
     previous = {s: signal.signal(s, on_signal) for s in FORWARDED}
-    stopped_for_usage, watch = False, LostRendezvous(torchrun_args, proc.pid)
     try:
-        while True:
-            try:
-                code = proc.wait(timeout=poll_s)
-                break
-            except subprocess.TimeoutExpired:
-                pass
-            kill_hung_workers(exit_dir)
-            lost = watch.check()
-            if lost:
-                print(lost, file=sys.stderr, flush=True)
-                proc.kill()  # it has no worker left to stop
-                proc.wait()
-                code = EXIT_CRASH
-                break
-            if EXIT_USAGE in recorded(exit_dir):  # bad input: torchrun would retry it as a crash
-                _say_usage_error(exit_dir)
-                stopped_for_usage = True
-                print(f"a worker exited {EXIT_USAGE} (bad input); stopping torchrun without restarts", file=sys.stderr, flush=True)
-                proc.terminate()
-                try:
-                    code = proc.wait(timeout=grace_s)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    code = proc.wait()
-                break
+        code, stopped_for_usage = _watch(proc, exit_dir, LostRendezvous(torchrun_args, proc.pid), poll_s, grace_s)
         final = verdict(code, recorded(exit_dir))
         if final == EXIT_USAGE and not stopped_for_usage:
             _say_usage_error(exit_dir)

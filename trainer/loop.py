@@ -19,6 +19,26 @@ from trainer.setup import Run
 from trainer.stop import crash_point
 
 
+class LogWindow:
+    """Loss and steps since the last log line; the loss is summed on the device (no sync a step)."""
+
+    def __init__(self, device: torch.device):
+        self.loss = torch.zeros((), device=device)
+        self.steps = 0
+        self.start = time.perf_counter()
+
+    def add(self, loss: torch.Tensor) -> None:
+        self.loss += loss
+        self.steps += 1
+
+    def due(self, step: int, every: int, seconds: float) -> bool:
+        return step % every == 0 or bool(seconds and time.perf_counter() - self.start >= seconds)  # a host clock read, no sync
+
+    def reset(self, now: float) -> None:
+        self.loss.zero_()
+        self.steps, self.start = 0, now
+
+
 class Trainer:
     def __init__(self, run: Run):
         self.r = run
@@ -68,7 +88,7 @@ class Trainer:
         the epoch-0 numbers that training then uses: no random state moves."""
         r = self.r
         clock = r.startup
-        clock.mark("build_rest")  # schedule, Lookahead, input pipeline, run log, watchdog
+        clock.mark("build_rest")  # input pipeline, run log, watchdog
         saved = {k: v.detach().clone() for k, v in r.model.state_dict().items()}
         b = self.rt.per_rank_batch(self.cfg.train.batch_size)
         x = r.augment.train(r.train_split.images[:b].to(self.rt.device), 0, 0, torch.arange(b, device=self.rt.device))
@@ -124,10 +144,10 @@ class Trainer:
         r, cfg, st = self.r, self.cfg, self.state
         r.net.train()
         self.timer.reset()
-        loss_sum, window_loss = torch.zeros((), device=self.rt.device), torch.zeros((), device=self.rt.device)
-        steps = window = 0
+        loss_sum, window = torch.zeros((), device=self.rt.device), LogWindow(self.rt.device)
+        steps = 0
         self.resumed_at = st.epoch_step  # > 0: this epoch's figures cover only the steps after a resume
-        window_start = t_epoch = time.perf_counter()
+        t_epoch = time.perf_counter()
         batches = r.loader.epoch(epoch, st.epoch_step)
         while True:
             self.profiler.before_step()
@@ -144,27 +164,12 @@ class Trainer:
             st.epoch_step += 1
             r.watchdog.beat(st.step)  # progress, for the hang watchdog: a clock read, no sync
             steps += 1
-            window += 1
             loss_sum += loss
-            window_loss += loss
+            window.add(loss)
             self.profiled(self.profiler.after_step())
-            if not self.reserved:
-                self.reserve()
-            if self.first_step_s is None:
-                _ = loss.item()  # one-time sync: time to first step includes compilation
-                self.first_step_s = time.perf_counter() - r.started_at
-                r.metrics.write({"event": "first_step", "seconds": round(self.first_step_s, 3), "since_command_s": since_command()})
-            now = time.perf_counter()  # a host clock read, no sync
-            if st.step % cfg.train.log_every == 0 or (cfg.train.log_seconds and now - window_start >= cfg.train.log_seconds):
-                value = (window_loss / window).item()  # CPU-GPU sync point, once per log line
-                now = time.perf_counter()
-                ips = window * cfg.train.batch_size / (now - window_start)
-                eta = (r.total_steps - st.step) * (now - window_start) / window
-                r.say.step(epoch, cfg.train.epochs, st.epoch_step, r.steps_per_epoch, value, ips, eta)
-                r.metrics.write({"event": "log", "epoch": epoch, "step": st.step, "loss": round(value, 5),
-                             "images_per_s": round(ips, 1), "window_steps": window, "lr": r.schedule.get_last_lr()[0]})
-                window_loss.zero_()
-                window, window_start = 0, now
+            self.after_first_step(loss)
+            if window.due(st.step, cfg.train.log_every, cfg.train.log_seconds):
+                self.log(epoch, window)
             with record_function("step.stop_poll"):
                 stop = r.stop.poll()  # every rank agrees (a tiny all-reduce under ddp)
             if stop:
@@ -173,19 +178,43 @@ class Trainer:
                 self.save()
             if self.done_steps():
                 break
+        self.epoch_stats = self.summarize(steps, loss_sum, t_epoch)
+        return False
+
+    def after_first_step(self, loss: torch.Tensor) -> None:
+        """Once: host buffers for async saves, and the first-step record (when no warm-up wrote it)."""
+        if not self.reserved:
+            self.reserve()
+        if self.first_step_s is None:
+            _ = loss.item()  # one-time sync: time to first step includes compilation
+            self.first_step_s = time.perf_counter() - self.r.started_at
+            self.r.metrics.write({"event": "first_step", "seconds": round(self.first_step_s, 3), "since_command_s": since_command()})
+
+    def log(self, epoch: int, window: LogWindow) -> None:
+        r, cfg, step = self.r, self.cfg, self.state.step
+        value = (window.loss / window.steps).item()  # CPU-GPU sync point, once per log line
+        now = time.perf_counter()
+        ips = window.steps * cfg.train.batch_size / (now - window.start)
+        eta = (r.total_steps - step) * (now - window.start) / window.steps
+        r.say.step(epoch, cfg.train.epochs, self.state.epoch_step, r.steps_per_epoch, value, ips, eta)
+        r.metrics.write({"event": "log", "epoch": epoch, "step": step, "loss": round(value, 5),
+                         "images_per_s": round(ips, 1), "window_steps": window.steps, "lr": r.schedule.get_last_lr()[0]})
+        window.reset(now)
+
+    def summarize(self, steps: int, loss_sum: torch.Tensor, t_epoch: float) -> dict:
+        """The epoch's figures: mean loss over every rank, time, throughput, data and step time."""
         if self.rt.cuda:
             torch.cuda.synchronize()  # once per epoch, for an honest epoch time
         seconds = time.perf_counter() - t_epoch
         data_ms, step_ms = self.timer.read_ms()
         mean_loss = all_reduce_sum(self.rt, torch.stack([loss_sum, torch.tensor(float(steps), device=self.rt.device)]))
-        self.epoch_stats = {
+        return {
             "train_loss": round((mean_loss[0] / mean_loss[1]).item(), 5) if steps else None,  # None: every step ran before a resume
             "train_seconds": round(seconds, 3), "steps": steps,
-            "images_per_s": round(steps * cfg.train.batch_size / seconds, 1) if steps else None,
+            "images_per_s": round(steps * self.cfg.train.batch_size / seconds, 1) if steps else None,
             "data_ms_per_step": round(data_ms / steps, 4) if steps else None,
             "step_ms_per_step": round(step_ms / steps, 4) if steps else None,
         }
-        return False
 
     def end_epoch(self) -> None:
         cfg, st, epoch = self.cfg, self.state, self.state.epoch

@@ -35,7 +35,7 @@ class Startup:
     ``first_step`` event): where a start's, or a restart's, time to its first step went."""
 
     def __init__(self, started_at: float):
-        self.last = started_at
+        self.started_at = self.last = started_at
         self.phases: dict[str, float] = {}
 
     def mark(self, phase: str) -> None:

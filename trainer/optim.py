@@ -10,13 +10,11 @@ from torch import nn
 from trainer.config import Config, ConfigError
 
 
-def param_groups(model: nn.Module, cfg: Config, masters: MasterWeights | None = None) -> list[dict]:
+def param_groups(model: nn.Module, cfg: Config) -> list[dict]:
     """Weights get lr and weight decay; biases and norm parameters (1-D) get lr x bias_lr_scale and
-    weight decay / bias_lr_scale, so their decay per step (lr x wd) is the same. With bf16 weights
-    the optimizer holds their fp32 masters."""
+    weight decay / bias_lr_scale, so their decay per step (lr x wd) is the same."""
     o = cfg.optim
-    held = masters.optimized if masters else (lambda p: p)
-    weights = [held(p) for p in model.parameters() if p.requires_grad and p.ndim > 1]
+    weights = [p for p in model.parameters() if p.requires_grad and p.ndim > 1]
     others = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]
     groups = [{"params": weights, "lr": o.lr, "weight_decay": o.weight_decay}]
     if others:
@@ -37,7 +35,7 @@ def build_optimizer(model: nn.Module, cfg: Config, cuda: bool, sharded: bool = F
     if o.impl == "fused" and sharded:
         raise ConfigError("optim.impl=fused does not run on fsdp's sharded parameters; use optim.impl=foreach (or auto)")
     kw = impl_kwargs("foreach" if sharded and o.impl == "auto" else o.impl, cuda)
-    groups = param_groups(model, cfg, masters)
+    groups = param_groups(model, cfg)
     if o.name == "sgd":
         opt = torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov, **kw)
         if masters:
@@ -101,6 +99,13 @@ class Lookahead:
         for n, s in zip(self.names, self.slow, strict=True):
             s.copy_(state[n])
 
+    @torch.no_grad()
+    def from_model(self) -> None:
+        """The slow weights start from the model's (restored) weights: a checkpoint without Lookahead."""
+        torch._foreach_copy_(self._slow, self._fast)
+        for fast, slow in self._counters:
+            slow.copy_(fast)
+
 
 def _sgd_on_masters(masters: list, weights: list, grads: list, buffers: list, lr: torch.Tensor, momentum: float, weight_decay: float,
                     nesterov: bool) -> None:
@@ -120,11 +125,13 @@ def _sgd_on_masters(masters: list, weights: list, grads: list, buffers: list, lr
 
 
 class MasterWeights:
-    """bf16 working weights for forward and backward, fp32 master weights for the optimizer
-    (train.param_dtype=bf16). Built after the checkpoint's weights are loaded and before wrapping:
-    each weight matrix (ndim > 1) becomes bf16 in place and gets an fp32 master copy. The optimizer
-    holds the masters; they never get a ``.grad``, so its own step skips them and a step hook
-    updates them from the bf16 gradients (``_sgd_on_masters``). Checkpoints see the masters."""
+    """bf16 working weights for forward and backward, fp32 master weights for the update
+    (train.param_dtype=bf16), and a checkpoint part of its own ("masters": the fp32 weights and
+    their momentum). Made before wrapping, so DDP sees the bf16 weights: each weight matrix
+    (ndim > 1) becomes bf16 in place and gets an fp32 master. The optimizer holds the working
+    weights like any other parameter; a step pre-hook updates their masters from the bf16
+    gradients (``_sgd_on_masters``), copies them back and clears those gradients, so the
+    optimizer's own step skips them and updates only the rest."""
 
     def __init__(self, model: nn.Module, compiled: bool):
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.ndim > 1 and p.dtype == torch.float32]
@@ -132,46 +139,60 @@ class MasterWeights:
             self.masters = {n: p.detach().clone() for n, p in self.named}  # keeps the memory format
             for _, p in self.named:
                 p.data = p.data.to(torch.bfloat16)
-        self._master_of = {id(p): self.masters[n] for n, p in self.named}
+        self.momentum: dict[str, torch.Tensor] = {}
+        """Momentum buffers of the masters (made by attach when their group has momentum)."""
         self._update = torch.compile(_sgd_on_masters, dynamic=False) if compiled else _sgd_on_masters
-        self._plan: list[tuple[int, list[torch.Tensor], list[torch.Tensor]]] = []
+        self._plan: list[tuple[int, list[str]]] = []
         self._lr: dict[int, torch.Tensor] = {}
 
-    def optimized(self, p: torch.Tensor) -> torch.Tensor:
-        """What the optimizer holds for model parameter ``p``: its master, or ``p`` itself."""
-        return self._master_of.get(id(p), p)
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Hook the master update in front of ``optimizer.step()``; which weights sit in which
+        param group is worked out here, once, not every step."""
+        name_of = {id(p): n for n, p in self.named}
+        self._plan = []  # (group index, names of its weights that have masters)
+        for i, group in enumerate(optimizer.param_groups):
+            names = [name_of[id(p)] for p in group["params"] if id(p) in name_of]
+            if names:
+                self._plan.append((i, names))
+                if group["momentum"]:  # made here, before any compiled step reads them
+                    self.momentum.update({n: torch.zeros_like(self.masters[n]) for n in names})
+        self._lr = {i: torch.zeros((), device=self.masters[names[0]].device) for i, names in self._plan}
+        optimizer.register_step_pre_hook(lambda opt, args, kwargs: self.step(opt))
 
-    def state_dict(self, sd: dict) -> dict:
-        """The model's state dict with each bf16 weight replaced by its fp32 master."""
-        return {k: self.masters.get(k, v) for k, v in sd.items()}
+    # -- the checkpoint part --------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"weights": dict(self.masters), "momentum": dict(self.momentum)}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
         for n, master in self.masters.items():
-            master.copy_(state[n])
+            master.copy_(state["weights"][n])
+        for n, buf in self.momentum.items():
+            if n in state["momentum"]:
+                buf.copy_(state["momentum"][n])
+            else:  # saved without momentum (optim.momentum was 0)
+                buf.zero_()
+        self._to_working()
+
+    @torch.no_grad()
+    def from_model(self) -> None:
+        """Masters from the (restored) working weights, momentum zero: a checkpoint of an fp32 run."""
+        for n, p in self.named:
+            self.masters[n].copy_(p)
+        for buf in self.momentum.values():
+            buf.zero_()
+
+    def _to_working(self) -> None:
         for n, p in self.named:
             p.copy_(self.masters[n])
 
-    def attach(self, optimizer: torch.optim.Optimizer) -> None:
-        """Hook the master update onto ``optimizer.step()``; which masters sit in which param group
-        is worked out here, once, not every step."""
-        weight_of = {id(self.masters[n]): p for n, p in self.named}
-        self._plan = []  # (group index, masters, their bf16 weights)
-        for i, group in enumerate(optimizer.param_groups):
-            masters = [m for m in group["params"] if id(m) in weight_of]
-            if masters:
-                self._plan.append((i, masters, [weight_of[id(m)] for m in masters]))
-        self._lr = {i: torch.zeros((), device=masters[0].device) for i, masters, _ in self._plan}
-        for i, masters, _ in self._plan:  # made here, before any compiled step reads them
-            if optimizer.param_groups[i]["momentum"]:
-                for m in masters:
-                    self._buffer(optimizer, m)
-        optimizer.register_step_post_hook(lambda opt, args, kwargs: self.step(opt))
-
+    # -- the update --------------------------------------------------------------------------------
     def _groups(self, optimizer: torch.optim.Optimizer, scratch: bool = False):
-        for i, masters, weights in self._plan:
+        weight = dict(self.named)
+        for i, names in self._plan:
             group = optimizer.param_groups[i]  # looked up each time: load_state_dict replaces the group dicts
-            buffers = [self._buffer(optimizer, m) for m in masters] if group["momentum"] else [None] * len(masters)
+            masters, weights = [self.masters[n] for n in names], [weight[n] for n in names]
+            buffers = [self.momentum[n] for n in names] if group["momentum"] else [None] * len(names)
             if scratch:  # copies of the same shapes, layouts and types: what the compiled update is traced on
                 masters, buffers = ([None if t is None else t.clone() for t in ts] for ts in (masters, buffers))
                 # Parameters, as the real weights are: traced on plain tensors, the first real step
@@ -182,13 +203,6 @@ class MasterWeights:
                 grads = [w.grad for w in weights]
             yield masters, weights, grads, buffers, self._lr[i], group
 
-    @staticmethod
-    def _buffer(optimizer: torch.optim.Optimizer, master: torch.Tensor) -> torch.Tensor:
-        state = optimizer.state[master]
-        if "momentum_buffer" not in state:  # in the optimizer's state, so checkpoints carry it
-            state["momentum_buffer"] = torch.zeros_like(master)
-        return state["momentum_buffer"]
-
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         for masters, weights, grads, buffers, lr, group in self._groups(optimizer):
@@ -197,7 +211,7 @@ class MasterWeights:
             lr.fill_(group["lr"])  # a device scalar: the schedule changes it without recompiling
             self._update(masters, weights, grads, buffers, lr, group["momentum"], group["weight_decay"], group["nesterov"])
             for w in weights:
-                w.grad = None
+                w.grad = None  # the optimizer's own step skips them
 
     @torch.no_grad()
     def warm_up(self, optimizer: torch.optim.Optimizer) -> None:

@@ -1,5 +1,6 @@
-"""Everything a run needs before its first step, built in the order that keeps resume correct:
-checks (rank 0) -> data -> model -> checkpoint weights -> wrap -> optimizer -> optimizer state."""
+"""Everything a run needs before its first step, in one straight line (``build``): the checkpoint
+to resume from (rank 0 claims the folder), data, model, wrapping, optimizer and schedule, then one
+restore of every part the checkpoint holds."""
 
 from __future__ import annotations
 
@@ -113,36 +114,70 @@ class Run:
 
 
 def build(cfg: Config, rt: Runtime, started_at: float | None = None) -> Run:
-    started_at = time.perf_counter() if started_at is None else started_at
-    clock = Startup(started_at)
+    clock = Startup(time.perf_counter() if started_at is None else started_at)
     clock.mark("imports_and_process_group")
-    fast = Fast.resolve(cfg, rt)
-    say = Progress(rt.is_main)
+    fast, say = Fast.resolve(cfg, rt), Progress(rt.is_main)
+    set_numerics(cfg)
+    ckpt = Checkpointer(cfg, rt.is_main, fast.async_save, say=say.line)
+    resumed_from = pick_checkpoint(ckpt, rt)
+    clock.mark("checkpoint_pick")
+    train_split, test_split, steps_per_epoch = load_data(cfg, rt, fast)
+    clock.mark("data")
+    augment = Augment(cfg, rt, fast.channels_last, rt.per_rank_batch(cfg.train.batch_size), steps_per_epoch)
+    model = build_model(cfg, rt, fast, augment, train_split)
+    clock.mark("model")
+    cache, cache_key = use_compile_cache(cfg, rt, fast, clock)  # before anything compiles
+    masters = MasterWeights(model, compiled=fast.compile) if fast.bf16_weights else None  # before DDP sees the weights
+    net = parallel.wrap(model, nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing), cfg, rt, fast.compile, fast.bf16, fast.compile_mode)
+    clock.mark("wrap")
+    optimizer = build_optimizer(model, cfg, rt.cuda, sharded=rt.strategy == "fsdp", masters=masters)
+    total = steps_per_epoch * cfg.train.epochs
+    total = min(total, cfg.train.max_steps) if cfg.train.max_steps else total
+    schedule = build_schedule(optimizer, cfg, total, steps_per_epoch)
+    lookahead = Lookahead(model, cfg.optim.lookahead_every) if cfg.optim.lookahead_every else None
+    clock.mark("optimizer")  # the first optimizer imports torch._dynamo (seconds), which compiling needs anyway
+    state = TrainState()
+    ckpt.register(model=ModelPart(model, cfg.model.name), optimizer=OptimizerPart(model, optimizer), masters=masters,
+                  scheduler=schedule, lookahead=lookahead, train=state)
+    if resumed_from is not None:
+        ckpt.restore(resumed_from)
+        clock.mark("restore")
+    return Run(
+        cfg=cfg, rt=rt, fast=fast, root=ckpt.root, state=state, train_split=train_split, test_split=test_split,
+        model=model, net=net, optimizer=optimizer, schedule=schedule, lookahead=lookahead,
+        loader=make_train_loader(cfg, rt, train_split, fast.device_resident, augment), augment=augment,
+        steps_per_epoch=steps_per_epoch, total_steps=total, stop=StopFlag(rt), checkpointer=ckpt,
+        metrics=RunLog(ckpt.root, rt, cfg.train.tensorboard, state.step if resumed_from else None), say=say,
+        resumed_from=resumed_from, started_at=clock.started_at, compile_cache=cache, compile_key=cache_key, masters=masters,
+        startup=clock, watchdog=Watchdog(cfg.dist.hang_timeout_s, ckpt.root, rt.rank),
+    )
+
+
+def set_numerics(cfg: Config) -> None:
+    """Deterministic kernels, or the fast ones (cuDNN autotuning, TF32 matmuls)."""
     if cfg.train.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = not cfg.train.deterministic
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = not cfg.train.deterministic
-    if cfg.optim.lookahead_every and rt.strategy == "fsdp":
-        raise ConfigError("optim.lookahead_every (Lookahead) does not work with train.strategy=fsdp; set optim.lookahead_every=0 or use ddp")
 
-    torch.manual_seed(cfg.train.seed)  # same initial weights on every rank
-    with torch.device(rt.device):  # initialised where it trains: seconds less for seednet's 604 M weights on a GPU
-        model = models.build(cfg.model.name)
-    clock.mark("model")
-    ckpt = Checkpointer(cfg, rt.is_main, fast.async_save, say=say.line)
-    model_part = ModelPart(model, rt.strategy, cfg.model.name)
 
+def pick_checkpoint(ckpt: Checkpointer, rt: Runtime) -> Path | None:
+    """Rank 0 claims the checkpoint folder and picks the checkpoint; every rank learns which
+    (or every rank raises rank 0's error)."""
     resumed_from, error = None, None
     if rt.is_main:
         try:
-            resumed_from = ckpt.claim_and_pick(model)  # the run folder's lock (one writer), then the checkpoint
+            resumed_from = ckpt.claim_and_pick()
         except ConfigError as e:
             error = e
     agree(rt, error)
-    resumed_from = broadcast(rt, resumed_from)
-    clock.mark("checkpoint_pick")
+    return broadcast(rt, resumed_from)
 
+
+def load_data(cfg: Config, rt: Runtime, fast: Fast) -> tuple[data.Split, data.Split, int]:
+    """The training and test splits (the test split on the device when data.device_resident) and
+    the steps of one epoch."""
     error, splits = None, None
     try:
         splits = data.load(cfg)
@@ -150,57 +185,36 @@ def build(cfg: Config, rt: Runtime, started_at: float | None = None) -> Run:
         error = e
     agree(rt, error)
     train_split, test_split = splits
-    clock.mark("data")
     steps_per_epoch = len(train_split) // cfg.train.batch_size
     if steps_per_epoch == 0:
         raise ConfigError(f"train.batch_size={cfg.train.batch_size} is larger than the training set ({len(train_split)} images); use a smaller batch")
+    if fast.device_resident:
+        test_split = data.Split(test_split.images.to(rt.device), test_split.labels.to(rt.device), test_split.classes)
+    return train_split, test_split, steps_per_epoch
 
-    augment = Augment(cfg, rt, fast.channels_last, rt.per_rank_batch(cfg.train.batch_size), steps_per_epoch)
+
+def build_model(cfg: Config, rt: Runtime, fast: Fast, augment: Augment, train_split: data.Split) -> nn.Module:
+    """The model, initialised on its device (seconds less for seednet's 604 M weights on a GPU) and
+    in its memory format; the same initial weights on every rank. A checkpoint's weights replace
+    them later, in place."""
+    torch.manual_seed(cfg.train.seed)
+    with torch.device(rt.device):
+        model = models.build(cfg.model.name)
     if hasattr(model, "init_from_data"):
         model.init_from_data(augment.normalize(train_split.images[:5000].to(rt.device)).cpu())
     model.to(rt.device)
-    state = TrainState()
-    saved = None
-    if resumed_from is not None:
-        saved = ckpt.read(resumed_from)
-        ckpt.restore(saved, {"model": model_part}, resumed_from)  # before wrapping
     if fast.channels_last and rt.strategy != "fsdp":
         model.to(memory_format=torch.channels_last)
-    clock.mark("weights")  # initialised or restored on the device, in their memory format
+    return model
 
+
+def use_compile_cache(cfg: Config, rt: Runtime, fast: Fast, clock: Startup) -> tuple[str, str]:
+    """Point the compilers' caches at checkpoint.dir/compile-cache/KEY; (what rank 0 found there, KEY)."""
+    if not (fast.compile and cfg.model.compile_cache):
+        return "off", ""
+    key = compile_cache.key(cfg, rt, fast)
     root = Path(cfg.checkpoint.dir)
-    cache, cache_key = "off", ""
-    if fast.compile and cfg.model.compile_cache:  # before anything compiles
-        cache_key = compile_cache.key(cfg, rt, fast)
-        cache = broadcast(rt, compile_cache.check(root, cache_key) if rt.is_main else None)  # rank 0 checks; then every rank uses it
-        compile_cache.use(root, cache_key)
-        clock.mark("compile_cache_load")
-    masters = None
-    if fast.bf16_weights:  # after the checkpoint's fp32 weights are in, before DDP sees the parameters
-        masters = MasterWeights(model, compiled=fast.compile)
-        model_part.masters = masters
-    criterion = nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing)
-    net = parallel.wrap(model, criterion, cfg, rt, fast.compile, fast.bf16, fast.compile_mode)
-    clock.mark("wrap")
-    optimizer = build_optimizer(model, cfg, rt.cuda, sharded=rt.strategy == "fsdp", masters=masters)
-    clock.mark("optimizer")  # the first optimizer imports torch._dynamo (seconds), which compiling needs anyway
-    total = steps_per_epoch * cfg.train.epochs
-    total = min(total, cfg.train.max_steps) if cfg.train.max_steps else total
-    schedule = build_schedule(optimizer, cfg, total, steps_per_epoch)
-    lookahead = Lookahead(model, cfg.optim.lookahead_every) if cfg.optim.lookahead_every else None
-    ckpt.register(model=model_part, optimizer=OptimizerPart(model, optimizer, rt.strategy, masters),
-                  scheduler=schedule, lookahead=lookahead, train=state)
-    if saved is not None:
-        ckpt.restore(saved, {k: v for k, v in ckpt.parts.items() if k != "model"}, resumed_from)
-        del saved
-    test_split = data.Split(test_split.images.to(rt.device), test_split.labels.to(rt.device), test_split.classes) if fast.device_resident else test_split
-    return Run(
-        cfg=cfg, rt=rt, fast=fast, root=root, state=state, train_split=train_split, test_split=test_split,
-        model=model, net=net, optimizer=optimizer, schedule=schedule, lookahead=lookahead,
-        loader=make_train_loader(cfg, rt, train_split, fast.device_resident, augment), augment=augment,
-        steps_per_epoch=steps_per_epoch, total_steps=total, stop=StopFlag(rt),
-        checkpointer=ckpt,
-        metrics=RunLog(root, rt, cfg.train.tensorboard, state.step if resumed_from else None), say=say, resumed_from=resumed_from, started_at=started_at,
-        compile_cache=cache, compile_key=cache_key, masters=masters, startup=clock,
-        watchdog=Watchdog(cfg.dist.hang_timeout_s, root, rt.rank),
-    )
+    found = broadcast(rt, compile_cache.check(root, key) if rt.is_main else None)  # rank 0 checks; then every rank uses it
+    compile_cache.use(root, key)
+    clock.mark("compile_cache_load")
+    return found, key
