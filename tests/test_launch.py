@@ -366,3 +366,27 @@ def test_store_reads_wait_as_long_as_the_rendezvous(argv, expected):
     from trainer.launch import with_long_store_reads
 
     assert with_long_store_reads(argv) == expected
+
+
+def test_workers_keep_python_bytecode_on_the_volume_where_the_installation_has_none(tmp_path, monkeypatch):
+    """An installation without bytecode (pip --no-compile, a site-packages the job cannot write,
+    PYTHONDONTWRITEBYTECODE=1) makes every process compile its sources at every start; then the
+    workers' bytecode goes to the checkpoint volume, where a restart on any node finds it."""
+    from trainer.launch import bytecode_env
+
+    (tmp_path / "mod_without_bytecode.py").write_text("x = 1\n")  # never imported: no .pyc anywhere
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
+    args = ["--standalone", "--nproc-per-node=2", "-m", "trainer", "train", "--config", "configs/smoke.yaml", f"checkpoint.dir={tmp_path / 'ck'}"]
+    prefix = (tmp_path / "ck" / "compile-cache" / "python-bytecode").resolve()
+    assert bytecode_env(args, probe="mod_without_bytecode") == {"PYTHONPYCACHEPREFIX": str(prefix)}
+    assert bytecode_env(args) == {}  # this venv's torch carries its bytecode: left alone
+    assert bytecode_env([*args, "model.compile_cache=false"], probe="mod_without_bytecode") == {}
+    assert bytecode_env(["--standalone", "-m", "other.module"], probe="mod_without_bytecode") == {}
+    # a worker started with it writes its bytecode there (and reads it back on the next start)
+    child = {**os.environ, "PYTHONPATH": str(tmp_path), "PYTHONPYCACHEPREFIX": str(prefix)}
+    child.pop("PYTHONDONTWRITEBYTECODE", None)
+    subprocess.run([sys.executable, "-c", "import mod_without_bytecode"], env=child, check=True)
+    assert list(prefix.rglob("mod_without_bytecode*.pyc"))
+    monkeypatch.setenv("PYTHONPYCACHEPREFIX", str(tmp_path / "mine"))  # the caller's own prefix wins
+    assert bytecode_env(args, probe="mod_without_bytecode") == {}

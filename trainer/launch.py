@@ -257,6 +257,39 @@ def verdict(torchrun_code: int, codes: list[int]) -> int:
     return torchrun_code if torchrun_code not in (EXIT_OK, EXIT_USAGE, EXIT_PREEMPTED) else EXIT_CRASH
 
 
+BYTECODE = "compile-cache/python-bytecode"
+
+
+def bytecode_env(torchrun_args: list[str], probe: str = "torch") -> dict[str, str]:
+    """Where the installation carries no bytecode for torch (an image built with ``pip
+    --no-compile`` whose site-packages the job cannot write, PYTHONDONTWRITEBYTECODE=1), every
+    process of every start compiles torch's Python sources again: 8 s of a warm restart's worker on
+    an H200 node, 2 s of torchrun's. Then torchrun and the workers keep their bytecode in
+    ``<checkpoint.dir>/compile-cache/python-bytecode`` (PYTHONPYCACHEPREFIX), beside the compile
+    caches (model.compile_cache), and a restart on any node reads it back. An installation with
+    bytecode, or a prefix the caller set, is left alone."""
+    import importlib.util
+
+    if os.environ.get("PYTHONPYCACHEPREFIX"):
+        return {}
+    spec = importlib.util.find_spec(probe)
+    if spec is None or not spec.origin or os.path.exists(importlib.util.cache_from_source(spec.origin)):
+        return {}
+    try:
+        i = next(i for i in range(len(torchrun_args) - 2) if torchrun_args[i:i + 3] == ["-m", "trainer", "train"])
+        rest = torchrun_args[i + 3:]
+        config_file = next((rest[j + 1] for j, a in enumerate(rest[:-1]) if a in ("--config", "-c")), None)
+        overrides = [a for j, a in enumerate(rest) if "=" in a and not a.startswith("-") and (j == 0 or rest[j - 1] not in ("--config", "-c"))]
+        from trainer.config import load_config
+
+        cfg = load_config(config_file, overrides)
+    except Exception:  # noqa: BLE001 - not a training command, or bad input that the workers will report
+        return {}
+    if not cfg.model.compile_cache:
+        return {}
+    return {"PYTHONPYCACHEPREFIX": str((Path(cfg.checkpoint.dir) / BYTECODE).resolve())}
+
+
 def _watch(proc: subprocess.Popen, exit_dir: Path, watch: LostRendezvous, poll_s: float, grace_s: float) -> tuple[int, bool]:
     """Wait for torchrun, meanwhile killing hung workers and stopping it when its rendezvous is
     lost or a worker exited with bad input; (its exit code, stopped for bad input)."""
@@ -288,7 +321,9 @@ def supervise(torchrun_args: list[str], poll_s: float = 0.5, grace_s: float = 60
     exit_dir = Path(tempfile.mkdtemp(prefix="trainer-exit-"))
     # torchrun's restarts would reuse the c10d rendezvous store, whose stale keys from the failed
     # attempt make the new group connect to dead ranks (pytorch issue 167288): a fresh store each time
-    env = {SHARED_STORE_ENV: "1", **os.environ, EXIT_DIR_ENV: str(exit_dir)}
+    env = {SHARED_STORE_ENV: "1", **os.environ, EXIT_DIR_ENV: str(exit_dir), **bytecode_env(torchrun_args)}
+    if "PYTHONPYCACHEPREFIX" in env:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)  # written under the prefix, on the volume, only
     torchrun_args = with_long_store_reads(torchrun_args)
     cmd = [sys.executable, "-m", "trainer.launch", *torchrun_args]  # torchrun itself, see _torchrun
     got: list[int] = []
