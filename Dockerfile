@@ -20,13 +20,20 @@ WORKDIR /app
 COPY pyproject.toml README.md constraints.txt ./
 COPY trainer ./trainer
 COPY configs ./configs
-RUN python -m pip install --no-compile -c constraints.txt . \
-    && useradd --create-home --home-dir /home/trainer --uid 1000 --user-group trainer \
+# Bytecode compiled here, at build time, also for what the base brought: the container's user
+# cannot write site-packages, and without .pyc files every start compiles torch's Python sources
+# again (8 s of a restart's worker on an H200 node; BENCHMARKS.md). A file that does not compile
+# for this Python (a template, a test of another version) is never imported: its status is not
+# the build's.
+RUN python -m pip install -c constraints.txt . \
+    && python -c "import compileall, site; [compileall.compile_dir(d, quiet=2, workers=0) for d in site.getsitepackages()]" \
+    && useradd --create-home --home-dir /home/trainer --uid 10001 --user-group trainer \
     && chmod 1777 /home/trainer \
     && mkdir -p /data /checkpoints \
     && chown trainer:trainer /data /checkpoints
 
-USER 1000:1000
+# a high uid: no clash with a host's users (the Kubernetes manifests run as the same)
+USER 10001:10001
 VOLUME ["/data", "/checkpoints"]
 # `trainer launch` (PID 1) checks the input (exit 2 on a usage error), then runs torchrun with one
 # process per GPU and --max-restarts; `docker stop`'s SIGTERM goes on to torchrun and its workers,

@@ -1,15 +1,20 @@
 # Thin aliases around the one entry point (`python -m trainer`). Variables:
 #   CONFIG=configs/default.yaml  DATA=<folder of train/ test/ or their .tar.gz>  ARGS="key=value ..."
-#   NPROC=auto (one per GPU, else 2)  IMAGE=cluster-trainer:0.1.0  GPUS=8  NODES=2  K8S=multi-node
-#   STORAGE_CLASS (k8s-storage)  ENGINE=docker (or podman)  COMPOSE="docker compose" (or docker-compose, podman-compose)  CHECKPOINTS=checkpoints
+#   NPROC=auto (one per GPU, else 2)  IMAGE=cluster-trainer:0.1.0  REGISTRY (push)  GPUS=8  NODES=2  K8S=multi-node
+#   NAMESPACE (k8s-storage, k8s-apply: else kubectl's current one)  STORAGE_CLASS (k8s-storage)  ENGINE=docker (or podman)  COMPOSE="docker compose" (or docker-compose, podman-compose)  CHECKPOINTS=checkpoints
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+TOOLS_VENV ?= .venv-tools
+TOOLS := $(TOOLS_VENV)/bin
 CONFIG ?= configs/default.yaml
 DATA ?=
 ARGS ?=
 NPROC ?= auto
-IMAGE ?= cluster-trainer:0.1.0
+VERSION ?= 0.1.0
+IMAGE ?= cluster-trainer:$(VERSION)
+REGISTRY ?=
+PUSH_FLAGS ?=
 GPUS ?= 8
 NODES ?= 2
 K8S ?= multi-node
@@ -19,7 +24,7 @@ CHECKPOINTS ?= checkpoints
 BUILD ?= --build
 DATA_ARGS := $(if $(DATA),data.name=imagefolder data.dir=$(DATA))
 
-.PHONY: venv run-local test test-slow test-all test-gpu container-test lint bench image compose-up k8s-storage k8s-apply slurm-submit torchx-k8s slurm-up clean
+.PHONY: venv tools run-local test test-slow test-all test-gpu container-test lint bench image push compose-up k8s-storage k8s-apply slurm-submit torchx-k8s slurm-up clean
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +33,20 @@ $(BIN)/.installed: pyproject.toml constraints.txt
 	touch $@
 
 venv: $(BIN)/.installed
+
+# The cluster targets' own small venv (PyYAML, TorchX and the Kubernetes client; no torch)
+$(TOOLS)/.installed: constraints.txt
+	$(PYTHON) -m venv $(TOOLS_VENV)
+	$(TOOLS)/python -m pip install -q -c constraints.txt pyyaml "torchx[kubernetes]==0.7.0" "urllib3>=1.26,<1.27"
+	touch $@
+
+tools: $(TOOLS)/.installed
+
+# checkov, the policy scanner the pod templates are tested with (its own venv: it pins much)
+CHECKOV := .venv-checkov/bin/checkov
+$(CHECKOV):
+	$(PYTHON) -m venv .venv-checkov
+	.venv-checkov/bin/python -m pip install -q checkov==3.3.30
 
 ## Train here: torchrun with one process per visible GPU (or 2 CPU processes), checkpoints in ./checkpoints
 run-local: venv
@@ -38,10 +57,10 @@ run-local: venv
 test: venv
 	$(BIN)/python -m pytest -q -m "not slow and not gpu and not container"
 
-test-slow: venv
+test-slow: venv $(CHECKOV)
 	$(BIN)/python -m pytest -q -m "slow and not gpu and not container"
 
-test-all: venv
+test-all: venv $(CHECKOV)
 	$(BIN)/python -m pytest -q -m "not gpu"
 
 test-gpu: venv
@@ -65,6 +84,22 @@ bench: venv
 image:
 	$(ENGINE) build -t $(IMAGE) .
 
+## Publish the image for a cluster: tag IMAGE as REGISTRY/cluster-trainer:VERSION, push it, print
+## both references (by tag, and by digest, the registry's own: the one to deploy). PUSH_FLAGS adds engine options
+## (e.g. --tls-verify=false for a plain-HTTP registry under podman).
+push:
+	@case "$(REGISTRY)" in ""|*://*|*/) echo "error: make push needs REGISTRY=HOST[:PORT][/PATH] without scheme or trailing slash, e.g. REGISTRY=ghcr.io/you" >&2; exit 2;; esac
+	$(ENGINE) tag $(IMAGE) $(REGISTRY)/cluster-trainer:$(VERSION)
+	@ref=$(REGISTRY)/cluster-trainer:$(VERSION); log=$$(mktemp); \
+		if $(ENGINE) push --help 2>/dev/null | grep -q -- --digestfile; then \
+			$(ENGINE) push $(PUSH_FLAGS) --digestfile $$log $$ref || exit 1; \
+		else \
+			$(ENGINE) push $(PUSH_FLAGS) $$ref > $$log || { cat $$log; exit 1; }; cat $$log; \
+		fi; \
+		digest=$$(grep -o 'sha256:[0-9a-f]\{64\}' $$log | tail -n 1); rm -f $$log; \
+		echo "pushed $$ref"; echo "by digest: $(REGISTRY)/cluster-trainer@$$digest"; \
+		echo "deploy it: make k8s-apply IMAGE=$(REGISTRY)/cluster-trainer@$$digest"
+
 ## docker compose up with ./data (or DATA=folder of the CIFAR-10 tarballs or class folders) and
 ## CHECKPOINTS made first as you (an engine makes missing ones root's), the containers run as you;
 ## BUILD= uses IMAGE as it is
@@ -84,21 +119,24 @@ container-test: venv .venv-compose-v1/bin/docker-compose
 	$(BIN)/python -m pytest -q -m container tests/test_container.py
 
 ## The PVCs, once, apart from the jobs (deleting a job keeps them); STORAGE_CLASS: a ReadWriteMany class
-k8s-storage: venv
-	manifest=$$(kubectl kustomize k8s/storage | $(BIN)/python k8s/render.py $(if $(STORAGE_CLASS),--storage-class $(STORAGE_CLASS))) \
+k8s-storage: tools
+	manifest=$$(kubectl kustomize k8s/storage | $(TOOLS)/python k8s/render.py $(if $(STORAGE_CLASS),--storage-class '$(STORAGE_CLASS)') $(if $(NAMESPACE),--namespace '$(NAMESPACE)')) \
 		&& echo "$$manifest" | kubectl apply -f -
 
-# IMAGE must be pushed (REGISTRY/NAME:TAG); K8S=single-gpu takes neither NODES nor GPUS. A bad
-# input stops before kubectl apply (render.py: one line, exit 2).
-k8s-apply: venv
-	manifest=$$(kubectl kustomize k8s/$(K8S) | $(BIN)/python k8s/render.py --image $(IMAGE) $(if $(filter single-gpu,$(K8S)),,--nodes $(NODES) --gpus $(GPUS))) \
+# IMAGE must be pushed (REGISTRY[:PORT]/NAME:TAG or @sha256:DIGEST); K8S=single-gpu is one GPU:
+# NODES or GPUS given with it are checked (only 1 passes). A bad input stops before kubectl apply
+# (render.py: one line, exit 2).
+given = $(filter command line environment,$(origin $(1)))
+K8S_SIZE = $(if $(filter single-gpu,$(K8S)),$(if $(call given,NODES),--nodes '$(NODES)') $(if $(call given,GPUS),--gpus '$(GPUS)'),--nodes '$(NODES)' --gpus '$(GPUS)')
+k8s-apply: tools
+	manifest=$$(kubectl kustomize k8s/$(K8S) | $(TOOLS)/python k8s/render.py --image '$(IMAGE)' $(K8S_SIZE) $(if $(NAMESPACE),--namespace '$(NAMESPACE)')) \
 		&& echo "$$manifest" | kubectl apply -f -
 
 slurm-submit:
 	CONFIG=$(CONFIG) sbatch --nodes=$(NODES) --gpus-per-node=$(GPUS) slurm/ddp.sh $(ARGS)
 
-torchx-k8s: venv
-	$(BIN)/torchx run --workspace "" -s kubernetes trainer/components.py:train_ddp --image $(IMAGE) \
+torchx-k8s: tools
+	$(TOOLS)/torchx run --workspace "" -s kubernetes trainer/components.py:train_ddp --image $(IMAGE) \
 		--j $(NODES)x$(GPUS) --gpu $(GPUS) --config $(CONFIG) --checkpoint_mount cifar-checkpoints --data_mount cifar-data -- $(ARGS)
 
 ## Start a one-node Slurm cluster here (root; Debian's slurm-wlm and munge)

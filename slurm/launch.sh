@@ -63,7 +63,9 @@ case "$LOCAL_ADDR" in
   none) ;;
   auto)
     head_ip=$(getent hosts "$HEAD_NODE" | awk "{print \$1; exit}")
-    src=$(ip -o route get "$head_ip" 2>/dev/null | sed -n "s/.* src \([^ ]*\).*/\1/p")
+    # the kernel picks the source address on the route to the first node (a UDP connect sends
+    # nothing); Python, not `ip`, which the image lacks when the step runs in it (CONTAINER_IMAGE)
+    src=$(python -c "import socket, sys; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.connect((sys.argv[1], 9)); print(s.getsockname()[0])" "$head_ip" 2>/dev/null)
     addr=(--local-addr "${src:-$(hostname -I | cut -d" " -f1)}") ;;
   *) addr=(--local-addr "$LOCAL_ADDR") ;;
 esac

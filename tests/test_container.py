@@ -13,13 +13,14 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, SHARED_DATA
+from conftest import ROOT, SHARED_DATA, free_port
 
 from trainer.launch import EXIT_PREEMPTED
 
@@ -192,3 +193,56 @@ def test_docker_compose_v1_accepts_the_files(files):
     doc = yaml.safe_load(p.stdout)
     gpus = doc["services"]["train"].get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices")
     assert bool(gpus) == (len(files) == 2)
+
+
+@pytest.fixture
+def registry(tmp_path):
+    """A real registry (Debian's docker-registry, the distribution project's server) on localhost."""
+    port = free_port()
+    config = tmp_path / "registry.yml"
+    config.write_text(f"version: 0.1\nstorage:\n  filesystem:\n    rootdirectory: {tmp_path / 'store'}\nhttp:\n  addr: 127.0.0.1:{port}\n")
+    server = subprocess.Popen(["docker-registry", "serve", str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and sh(["curl", "-sf", f"http://127.0.0.1:{port}/v2/"]).returncode != 0:
+        time.sleep(0.2)
+    yield f"localhost:{port}"
+    server.terminate()
+    server.wait(30)
+
+
+def test_make_push_publishes_the_image_and_prints_the_registrys_digest(registry):
+    # a small local image stands in for the trainer's (5.9 GB): the target's tagging, pushing and
+    # digest are what is tested
+    small = "localhost/debian-minbase:bookworm"
+    p = sh(["make", "-s", "push", f"ENGINE={ENGINE}", f"IMAGE={small}", f"REGISTRY={registry}/team", "VERSION=t1",
+            "PUSH_FLAGS=--tls-verify=false"], cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    digest = re.search(rf"^by digest: ({re.escape(registry)}/team/cluster-trainer@(sha256:[0-9a-f]{{64}}))$", p.stdout, re.M)
+    assert digest and f"pushed {registry}/team/cluster-trainer:t1" in p.stdout, p.stdout
+    accept = "application/vnd.oci.image.manifest.v1+json, application/vnd.docker.distribution.manifest.v2+json"
+    head = sh(["curl", "-sfI", "-H", f"Accept: {accept}", f"http://{registry.replace('localhost', '127.0.0.1')}/v2/team/cluster-trainer/manifests/t1"])
+    assert f"docker-content-digest: {digest.group(2)}" in head.stdout.lower(), head.stdout  # the digest the registry serves
+    render = sh([sys.executable, str(ROOT / "k8s" / "render.py"), "--image", digest.group(1), "--nodes", "2", "--gpus", "1"],
+                input=yaml.safe_dump_all(yaml.safe_load_all(sh(["kubectl", "kustomize", "k8s/multi-node"], cwd=ROOT).stdout)))
+    assert render.returncode == 0 and digest.group(1) in render.stdout, render.stderr
+
+
+def test_make_push_without_a_registry_says_so_in_one_line():
+    p = sh(["make", "-s", "push", f"ENGINE={ENGINE}"], cwd=ROOT)
+    assert p.returncode != 0 and p.stderr.startswith("error: make push needs REGISTRY=") and p.stderr.count("error") == 1, p.stderr
+
+
+def test_the_image_carries_bytecode_and_runs_as_a_pod_does(image, host):
+    """The pods' settings: the image's own uid (10001), a read-only root file system with /tmp and
+    HOME writable, every capability dropped, no privilege escalation; torch's bytecode compiled in
+    the image (a read-only site-packages would otherwise compile it again at every start)."""
+    ck = host / "checkpoints"
+    ck.mkdir()
+    os.chown(ck, 10001, 10001)
+    pod = ("--read-only", "--tmpfs", "/tmp", "--tmpfs", "/home/trainer:mode=1777", "--cap-drop=ALL", "--security-opt=no-new-privileges")
+    cached = sh([ENGINE, "run", "--rm", *pod, "--entrypoint", "python", image, "-c",
+                 "import importlib.util, os, torch; print(os.path.exists(importlib.util.cache_from_source(torch.__file__)), os.getuid())"])
+    assert cached.stdout.split() == ["True", "10001"], cached.stdout + cached.stderr
+    cmd = docker_run(image, ck, "train.epochs=1", user="10001:10001", extra=pod)
+    p = sh(cmd, timeout=300)
+    assert p.returncode == 0 and done(ck) == [32], (p.stdout + p.stderr)[-3000:]

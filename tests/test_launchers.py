@@ -5,6 +5,7 @@ and TorchX (a real local_cwd run and the kubernetes and slurm dry runs)."""
 from __future__ import annotations
 
 import copy
+import json
 import os
 import re
 import shutil
@@ -173,6 +174,37 @@ def test_every_pod_passes_pod_security_restricted():
                                   "pytorch: seccompProfile"]
 
 
+CHECKOV = ROOT / ".venv-checkov" / "bin" / "checkov"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("folder", ["single-gpu", "multi-node"])
+def test_checkov_finds_nothing_unwaived_in_the_pod_templates(folder, tmp_path):
+    """checkov (`make test-slow` installs it) on every pod template, each wrapped as the Job that
+    checkov knows (it skips PyTorchJobs), with the PyTorchJob's waivers: every check passes or is
+    waived in the manifest with its reason."""
+    assert CHECKOV.exists(), "checkov is missing: make test-slow installs it (.venv-checkov)"
+    jobs = []
+    for doc in manifests(folder):
+        if doc["kind"] == "PyTorchJob":
+            for replica, spec in doc["spec"]["pytorchReplicaSpecs"].items():
+                meta = {"name": f"{doc['metadata']['name']}-{replica.lower()}", "annotations": doc["metadata"].get("annotations", {})}
+                jobs.append({"apiVersion": "batch/v1", "kind": "Job", "metadata": meta, "spec": {"template": spec["template"]}})
+    waivers = {v.split("=", 1)[0]: v.split("=", 1)[1] for k, v in jobs[0]["metadata"]["annotations"].items() if k.startswith("checkov.io/skip")}
+    assert all(len(reason) > 20 for reason in waivers.values()), waivers  # each with its reason
+    (tmp_path / "jobs.yaml").write_text(yaml.safe_dump_all(jobs))
+    p = subprocess.run([str(CHECKOV), "-f", str(tmp_path / "jobs.yaml"), "--framework", "kubernetes", "--skip-download", "-o", "json"],
+                       capture_output=True, text=True, env={**env(), "BC_SKIP_MAPPING": "TRUE"})
+    assert p.stdout.lstrip().startswith("{"), p.stderr[-3000:]
+    report = json.loads(p.stdout)
+    results = report["results"]
+    failed = [(c["check_id"], c["resource"]) for c in results["failed_checks"]]
+    skipped = {c["check_id"] for c in results["skipped_checks"]}
+    assert not failed, failed
+    assert skipped == set(waivers), (skipped, waivers)  # no stale waiver either
+    assert len(results["passed_checks"]) >= 40 * len(jobs)  # it did look (about 84 checks a template)
+
+
 def test_render_sets_the_storage_class_of_every_pvc():
     sys.path.insert(0, str(ROOT / "k8s"))
     from render import render
@@ -308,12 +340,31 @@ def scheduler_request(out: str) -> str:
 def test_torchx_local_cwd_runs_the_ddp_component_from_a_venv_not_activated(tmp_path):
     # `.venv/bin/torchx run ...` with nothing of the venv on PATH (no torchrun, no trainer, no python)
     path = os.pathsep.join(d for d in os.environ["PATH"].split(os.pathsep) if not shutil.which("torchrun", path=d))
-    p = torchx("run", "--workspace", "", "-s", "local_cwd", "trainer/components.py:train_ddp", "--j", "1x2", "--config", "configs/smoke.yaml",
-               "--checkpoint_dir", str(tmp_path / "ck"), "--data_dir", str(tmp_path / "data"), "--", "train.epochs=1", "train.plot=false",
-               env=env(TORCHX_LOG_DIR=str(tmp_path / "logs"), PATH=path), timeout=600)
+    p = torchx("run", "--workspace", "", "-s", "local_cwd", "trainer/components.py:train_ddp", "--j", "1x2", "--gpu", "0", "--config", "configs/smoke.yaml",
+               "--checkpoint_mount", "", "--checkpoint_dir", str(tmp_path / "ck"), "--data_dir", str(tmp_path / "data"), "--", "train.epochs=1",
+               "train.plot=false", env=env(TORCHX_LOG_DIR=str(tmp_path / "logs"), PATH=path), timeout=600)
     out = p.stdout + p.stderr
     assert "Job finished: SUCCEEDED" in out and "strategy ddp x2" in out, out[-3000:]
     assert (tmp_path / "ck" / "step-32" / "state.pt").is_file()
+    assert "CUDA_VISIBLE_DEVICES" not in out  # a CPU job (--gpu 0) asks for no GPU: no TorchX warning block
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args, words", [
+    # train_single asks for a GPU by default: the fix is the component's flag
+    (["trainer/components.py:train_single", "--checkpoint_mount", ""], "none is visible; pass --gpu 0 to the component"),
+    # the local scheduler mounts nothing: checkpoints would land on a folder of the node
+    (["trainer/components.py:train_ddp", "--gpu", "0"], "nothing is mounted there: this scheduler mounts nothing"),
+])
+def test_torchx_local_bad_input_is_one_line_with_the_components_fix_and_no_traceback(tmp_path, args, words):
+    p = torchx("run", "--workspace", "", "-s", "local_cwd", *args, "--config", "configs/smoke.yaml", "--checkpoint_dir", str(tmp_path / "ck" / "run"),
+               "--data_dir", str(tmp_path / "data"), env=env(TORCHX_LOG_DIR=str(tmp_path / "logs")), timeout=300, check=False)
+    out = p.stdout + p.stderr
+    errors = [line for line in out.splitlines() if "error: " in line and "structured_error_msg" not in line]
+    assert p.returncode != 0 and "Job finished: FAILED" in out, out[-3000:]
+    assert errors and words in errors[0], out[-3000:]
+    assert "Traceback" not in out and "py_callstack" not in out and "SignalException" not in out, out[-3000:]
+    assert not list((tmp_path / "ck").rglob("step-*"))
 
 
 def test_torchx_kubernetes_dryrun_is_a_valid_volcano_job():
@@ -329,7 +380,7 @@ def test_torchx_kubernetes_dryrun_is_a_valid_volcano_job():
         c = task["template"]["spec"]["containers"][0]
         assert c["image"] == "reg/cluster-trainer:1" and c["resources"]["limits"]["nvidia.com/gpu"] in (8, "8")
         mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
-        assert "/checkpoints" in mounts and mounts["/data"]["readOnly"] is True
+        assert "/checkpoints" in mounts and not mounts["/data"].get("readOnly")  # the first job fills the data volume
         claims = {v["name"]: v.get("persistentVolumeClaim", {}).get("claimName") for v in task["template"]["spec"]["volumes"]}
         assert claims[mounts["/checkpoints"]["name"]] == "cifar-checkpoints"
         assert "-m trainer train" in c["command"][-1] and "--max-restarts 3" in c["command"][-1]
@@ -344,7 +395,8 @@ def test_torchx_slurm_dryrun_asks_for_the_right_resources():
     for line in jobs:
         assert "--gpus-per-task=4" in line and "--cpus-per-task=16" in line and "--ntasks-per-node=1" in line
         assert "--partition" not in line  # the cluster's default partition, unless -cfg names one
-    assert "--nproc_per_node 4" in script and "--nnodes 2" in script and "checkpoint.dir=/shared/ckpt/cifar" in script
+    assert "--nproc-per-node 4" in script and "--nnodes 2" in script and "checkpoint.dir=/shared/ckpt/cifar" in script
+    assert "/root/" not in script and sys.executable not in script  # no path of the submitting machine in the job
 
 
 @pytest.mark.parametrize("folder, args, words", [
@@ -352,6 +404,12 @@ def test_torchx_slurm_dryrun_asks_for_the_right_resources():
     ("multi-node", ["--gpus", "0"], "--gpus=0 must be at least 1"),
     ("multi-node", ["--image", "cluster-trainer:0.1.0"], "is a local name that a cluster cannot pull"),
     ("single-gpu", ["--gpus", "8"], "is one pod with one GPU"),
+    ("single-gpu", ["--nodes", "3", "--gpus", "4"], "is one pod with one GPU"),
+    ("multi-node", ["--gpus", ""], "GPUS='' is not a whole number"),
+    ("multi-node", ["--nodes", "two"], "NODES='two' is not a whole number"),
+    ("multi-node", ["--namespace", "Team_A"], "is not a namespace name"),
+    ("multi-node", ["--image", "Registry.io/Team/ct:1"], "is not an image reference"),
+    ("multi-node", ["--image", "registry.example.com:5000/team/ct"], "has neither tag nor digest"),
     ("storage", [], "the PVCs need a storage class: pass STORAGE_CLASS="),
     ("storage", ["--storage-class", "Not A Name"], "is not a storage class name"),
 ])
@@ -361,9 +419,68 @@ def test_render_refuses_what_no_cluster_can_run_in_one_line(folder, args, words)
     assert p.returncode == 2 and p.stdout == "" and p.stderr.startswith("error: ") and words in p.stderr and p.stderr.count("\n") == 1, p.stderr
 
 
-def test_make_k8s_apply_stops_before_kubectl_apply_on_a_local_image_name():
-    venv = Path(sys.executable).parent.parent
-    p = subprocess.run(["make", "k8s-apply", f"VENV={venv}", f"PYTHON={sys.executable}"], cwd=ROOT, capture_output=True, text=True, env=env())
+@pytest.mark.parametrize("image", ["registry.example.com:5000/team/ct:0.1.0", "localhost:5000/ct:0.1.0",
+                                   "ghcr.io/team/ct@sha256:" + "0123456789abcdef" * 4, "ghcr.io/team/ct:0.1.0@sha256:" + "f" * 64])
+def test_render_takes_registries_with_a_port_and_digests(image):
+    from render import render
+
+    docs = render(manifests("multi-node"), image, nodes=2, gpus=1, namespace="team-a")
+    pods = [r["template"]["spec"] for d in docs if d["kind"] == "PyTorchJob" for r in d["spec"]["pytorchReplicaSpecs"].values()]
+    assert pods and all(c["image"] == image for pod in pods for c in pod["containers"] + pod["initContainers"])
+    assert all(d["metadata"]["namespace"] == "team-a" for d in docs)
+
+
+@pytest.fixture(scope="module")
+def tools_venv(tmp_path_factory):
+    """`make tools`: the cluster targets' own venv, built as a user's would be."""
+    venv = tmp_path_factory.mktemp("tools") / "venv"
+    p = subprocess.run(["make", "tools", f"TOOLS_VENV={venv}", f"PYTHON={sys.executable}"], cwd=ROOT, capture_output=True, text=True, env=env())
+    assert p.returncode == 0, p.stdout + p.stderr
+    return venv
+
+
+@pytest.mark.slow
+def test_the_cluster_targets_need_only_a_small_venv_without_torch(tools_venv):
+    py = str(tools_venv / "bin" / "python")
+    assert subprocess.run([py, "-c", "import torch"], capture_output=True).returncode != 0
+    assert subprocess.run([py, "-c", "import yaml, torchx, kubernetes"], capture_output=True).returncode == 0
+    size = sum(f.stat().st_size for f in tools_venv.rglob("*") if f.is_file())
+    assert size < 300 * 2**20, f"tools venv is {size / 2**20:.0f} MiB"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args, words", [
+    (["K8S=single-gpu", "GPUS=4", "NODES=3"], "is one pod with one GPU"),
+    (["K8S=single-gpu", "NODES=2"], "is one pod with one GPU"),
+    (["GPUS="], "GPUS='' is not a whole number"),
+    (["NODES=two"], "NODES='two' is not a whole number"),
+])
+def test_make_k8s_apply_refuses_a_bad_size_in_one_line(tools_venv, args, words):
+    p = subprocess.run(["make", "-s", "k8s-apply", f"TOOLS_VENV={tools_venv}", "IMAGE=registry.example.com:5000/team/ct:0.1.0", *args],
+                       cwd=ROOT, capture_output=True, text=True, env=env())
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
+    assert p.returncode != 0 and len(errors) == 1 and words in errors[0], p.stderr
+    assert "usage:" not in p.stderr and "connection refused" not in p.stderr.lower(), p.stderr
+
+
+@pytest.mark.slow
+def test_make_k8s_apply_takes_single_gpu_without_a_size(tools_venv, tmp_path):
+    """K8S=single-gpu with neither NODES nor GPUS (or both 1) renders and reaches kubectl apply
+    (a stand-in kubectl here: no cluster), which gets the image."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "kubectl").write_text(f"#!/bin/sh\nif [ \"$1\" = kustomize ]; then exec {shutil.which('kubectl') or 'false'} \"$@\"; fi\ncat > {tmp_path}/applied.yaml\n")
+    (fake / "kubectl").chmod(0o755)
+    for extra in ([], ["GPUS=1", "NODES=1"]):
+        p = subprocess.run(["make", "-s", "k8s-apply", f"TOOLS_VENV={tools_venv}", "K8S=single-gpu", "IMAGE=localhost:5000/ct:0.1.0", *extra],
+                           cwd=ROOT, capture_output=True, text=True, env={**env(), "PATH": f"{fake}:{os.environ['PATH']}"})
+        assert p.returncode == 0, p.stderr
+        assert "localhost:5000/ct:0.1.0" in (tmp_path / "applied.yaml").read_text()
+
+
+@pytest.mark.slow
+def test_make_k8s_apply_stops_before_kubectl_apply_on_a_local_image_name(tools_venv):
+    p = subprocess.run(["make", "k8s-apply", f"TOOLS_VENV={tools_venv}"], cwd=ROOT, capture_output=True, text=True, env=env())
     assert p.returncode != 0 and "error: --image=cluster-trainer:0.1.0 is a local name" in p.stderr, p.stderr
     assert "connection refused" not in p.stderr.lower() and "no objects passed" not in p.stderr, p.stderr
 

@@ -1,36 +1,83 @@
-"""TorchX components: typed functions that return an AppDef, built on ``torchx.components.dist.ddp``.
+"""TorchX components: typed functions that return an AppDef, each role built here from torchx's
+own pieces (``dist.parse_nnodes``, ``specs.resource``, ``specs.parse_mounts``, the rank-0 and app-id
+macros), as ``torchx.components.dist.ddp`` builds its own, with our command in it.
 
 From the repository root (scheduler defaults live in .torchxconfig)::
 
-    torchx run -s kubernetes trainer/components.py:train_ddp --image ghcr.io/you/cluster-trainer:0.1.0 \\
-        --j 2x8 --gpu 8 --checkpoint_mount cifar-checkpoints --data_mount cifar-data -- train.epochs=30
-    torchx run -s kubernetes trainer/components.py:train_single --image ghcr.io/you/cluster-trainer:0.1.0
-    torchx run -s slurm trainer/components.py:train_ddp --j 2x8 --gpu 8 --checkpoint_dir /shared/ckpt/cifar
-    torchx run -s local_cwd trainer/components.py:train_ddp --j 1x2 --gpu 0 --config configs/smoke.yaml \\
-        --checkpoint_dir ./checkpoints/torchx
+    torchx run --workspace "" -s kubernetes trainer/components.py:train_ddp --image ghcr.io/you/cluster-trainer:0.1.0 \\
+        --j 2x8 --checkpoint_mount cifar-checkpoints --data_mount cifar-data -- train.epochs=30
+    torchx run --workspace "" -s kubernetes trainer/components.py:train_single --image ghcr.io/you/cluster-trainer:0.1.0
+    torchx run --workspace "" -s slurm trainer/components.py:train_ddp --j 2x8 --checkpoint_mount "" \\
+        --checkpoint_dir /shared/ckpt/cifar --data_dir /shared/data
+    torchx run --workspace "" -s local_cwd trainer/components.py:train_ddp --j 1x2 --gpu 0 --config configs/smoke.yaml \\
+        --checkpoint_mount "" --checkpoint_dir ./checkpoints/torchx --data_dir ./data
 
 Every component runs the same command as the other launchers: ``trainer torchrun ... -m trainer train``
 (torchrun under the trainer's supervisor, which keeps the exit status contract).
 """
 
 # torchx 0.7's component linter reads annotations as written: keep typing.Optional/Dict here.
+import os
+import shlex
 import sys
 from typing import Dict, List, Optional
 
 import torchx.specs as specs
-from torchx.components import dist
+from torchx.components.dist import parse_nnodes
+from torchx.specs import macros
 
 DEFAULT_IMAGE = "ghcr.io/cluster-trainer/cluster-trainer:0.1.0"
+RDZV_PORT = 29500
+MOUNTS_ENV = "TRAINER_MOUNTS"
+"""dst=volume pairs the job expects mounted: the supervisor stops in one line where a scheduler
+dropped them (Slurm and local schedulers take no mounts)."""
 
 
-def _mounts(checkpoint_mount: str, checkpoint_dir: str, data_mount: str, data_dir: str, mount_type: str) -> List[str]:
-    """torchx mount specs: a volume (Kubernetes PVC) or a bind (host path) for checkpoints and data."""
+def _mounts(checkpoint_mount: str, checkpoint_root: str, data_mount: str, data_dir: str, mount_type: str) -> List[str]:
+    """torchx mount specs: a volume (Kubernetes PVC) or a bind (host path) for checkpoints and data.
+    The data volume is writable: the first job to find it empty downloads or decodes the data set
+    into it (under a file lock; the others wait), so nothing else needs to fill it."""
     mounts = []
     if checkpoint_mount:
-        mounts += ["type=" + mount_type, f"src={checkpoint_mount}", f"dst={checkpoint_dir.rsplit('/', 1)[0] or '/'}"]
+        mounts += ["type=" + mount_type, f"src={checkpoint_mount}", f"dst={checkpoint_root}"]
     if data_mount:
-        mounts += ["type=" + mount_type, f"src={data_mount}", f"dst={data_dir}", "readonly"]
+        mounts += ["type=" + mount_type, f"src={data_mount}", f"dst={data_dir}"]
     return mounts
+
+
+def _python() -> str:
+    """The interpreter the job runs, by a path relative to the working directory (jobs of the
+    local and Slurm schedulers start there; no path of this machine goes into a remote job): this
+    one where it is a venv inside the working directory with torch (`.venv/bin/torchx run` works
+    without activating the venv), else the repository's .venv where there is one (TorchX from the
+    small `make tools` venv), else the job's own ``python`` (the image's)."""
+    import importlib.util
+
+    here = os.path.abspath(os.getcwd())
+    exe = os.path.abspath(sys.executable)
+    if exe.startswith(here + os.sep) and importlib.util.find_spec("torch") is not None:
+        return os.path.relpath(exe, here)
+    return os.path.join(".venv", "bin", "python") if os.path.exists(os.path.join(here, ".venv", "bin", "python")) else "python"
+
+
+def _role(
+    train_args: List[str], image: str, j: str, gpu: int, cpu: int, memMB: int, h: Optional[str], mounts: List[str],
+    max_restarts: int, max_retries: int, env: Dict[str, str],
+) -> specs.Role:
+    """One role, one replica per node, each running ``trainer torchrun`` with c10d rendezvous on
+    the first replica (torchx's rank-0 host macro), the app id as rendezvous id."""
+    min_nnodes, max_nnodes, nproc_per_node, nnodes = parse_nnodes(j)
+    # multi-node: the rank-0 host as each scheduler exposes it (escaped $ for torchx's templating)
+    endpoint = "localhost:0" if max_nnodes == 1 else f"$${{{macros.rank0_env}:=localhost}}:{RDZV_PORT}"
+    torchrun = ["--rdzv-backend", "c10d", "--rdzv-id", macros.app_id, "--nnodes", nnodes, "--nproc-per-node", str(nproc_per_node),
+                "--max-restarts", str(max_restarts), "-m", "trainer", "train", *train_args]
+    command = (f'py="${{TRAINER_PYTHON:-{_python()}}}"; [ -x "$py" ] || py=python; '
+               f'exec "$py" -m trainer torchrun --rdzv-endpoint "{endpoint}" {" ".join(shlex.quote(a) for a in torchrun)}')
+    return specs.Role(
+        name="trainer", image=image, entrypoint="bash", args=["-c", command], min_replicas=min_nnodes, num_replicas=max_nnodes,
+        resource=specs.resource(cpu=cpu, gpu=gpu, memMB=memMB, h=h), env=env, port_map={"c10d": RDZV_PORT},
+        max_retries=max_retries, mounts=specs.parse_mounts(mounts) if mounts else [],
+    )
 
 
 def train_ddp(
@@ -55,7 +102,8 @@ def train_ddp(
 
     Args:
         script_args: trainer overrides, ``key=value`` (after ``--``)
-        image: container image with the trainer installed (the repository's Dockerfile)
+        image: container image with the trainer installed (the repository's Dockerfile, pushed
+            to your registry: README, Publish your image)
         j: {nnodes}x{nproc_per_node}, e.g. 2x8; nproc_per_node must not exceed the GPUs per node
         gpu: GPUs per node: -1 (the default) asks one per process of ``j`` (2x8: 8), 0 makes a CPU job
             with gloo
@@ -66,32 +114,29 @@ def train_ddp(
         checkpoint_dir: where rank 0 writes checkpoints; keep it stable so a relaunch resumes
         checkpoint_mount: volume for checkpoints: a ReadWriteMany PVC name (mount_type=volume; the
             default is the one `make k8s-storage` creates, so checkpoints outlive the pods) or a host
-            path (mount_type=bind), mounted at checkpoint_dir's parent; "" for none (then they die
-            with the pod). Slurm and local schedulers take no mounts: checkpoint_dir is a path there
+            path (mount_type=bind), mounted at checkpoint_dir's parent; "" for none. Slurm and
+            local schedulers take no mounts: pass "" and a checkpoint_dir on shared storage there
+            (the job stops in one line, exit 2, if the mount it expects is missing)
         data_dir: data folder inside the job
-        data_mount: volume holding the data set, mounted read-only at data_dir; empty for no mount
+        data_mount: volume for the data set, mounted at data_dir; the first job fills it; empty
+            for no mount
         mount_type: volume (Kubernetes PVC) or bind (host path)
         max_restarts: torchrun restarts of the process group after a failure (resumes from checkpoint)
-        max_retries: scheduler retries of the whole job
+        max_retries: scheduler retries of the whole job (on Slurm, TorchX requeues on any non-zero
+            exit, bad input included: pass 0 there)
         env: extra environment variables
     """
+    nproc = j.rsplit("x", 1)[-1]
     if gpu < 0:  # one GPU per process, as the DDP ranks need; a CPU job must say gpu=0
-        gpu = int(j.rsplit("x", 1)[-1])
-    args = ["train", "--config", config, f"checkpoint.dir={checkpoint_dir}", f"data.dir={data_dir}", *script_args]
-    mounts = _mounts(checkpoint_mount, checkpoint_dir, data_mount, data_dir, mount_type)
-    app = dist.ddp(
-        *args, m="trainer", image=image, name="cifar", j=j, gpu=gpu, cpu=cpu, memMB=memMB, h=h,
-        env={"PYTHONUNBUFFERED": "1", **(env or {})}, max_retries=max_retries, mounts=mounts or None,
-    )
-    role = app.roles[0]
-    # `trainer torchrun`: torchrun that keeps the exit contract (0, 75 saved on a signal, 2 bad input).
-    # Its interpreter: the one running `torchx run` where that path exists where the job runs
-    # (local_cwd, Slurm on a shared file system: `.venv/bin/torchx` works without activating the
-    # venv), else the image's `python`.
-    role.env.setdefault("TRAINER_PYTHON", sys.executable)
-    launcher = 'py="${TRAINER_PYTHON:-python}"; [ -x "$py" ] || py=python; "$py" -m trainer torchrun'
-    role.args[-1] = role.args[-1].replace("torchrun ", f"{launcher} --max-restarts {max_restarts} ", 1)
-    return app
+        gpu = int(nproc) if nproc.isdigit() else 1
+    checkpoint_root = checkpoint_dir.rstrip("/").rsplit("/", 1)[0] or "/"
+    mounts = _mounts(checkpoint_mount, checkpoint_root, data_mount, data_dir, mount_type)
+    expected = [f"{checkpoint_root}={checkpoint_mount}"] * bool(checkpoint_mount) + [f"{data_dir}={data_mount}"] * bool(data_mount)
+    train_args = ["--config", config, f"checkpoint.dir={checkpoint_dir}", f"data.dir={data_dir}", *script_args]
+    role_env = {"PYTHONUNBUFFERED": "1", "TRAINER_NO_GPU_FIX": "pass --gpu 0 to the component to train on the CPU",
+                MOUNTS_ENV: ";".join(expected), **(env or {})}
+    role = _role(train_args, image, j, gpu, cpu, memMB, h, mounts, max_restarts, max_retries, role_env)
+    return specs.AppDef(name="cifar", roles=[role])
 
 
 def train_single(
@@ -120,7 +165,7 @@ def train_single(
         checkpoint_dir: where checkpoints go; keep it stable so a relaunch resumes
         checkpoint_mount: PVC name or host path for checkpoints (cifar-checkpoints; see train_ddp)
         data_dir: data folder inside the job
-        data_mount: volume holding the data set, mounted read-only
+        data_mount: volume for the data set (the first job fills it)
         mount_type: volume (Kubernetes PVC) or bind (host path)
         max_retries: scheduler retries of the job
     """

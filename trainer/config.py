@@ -511,7 +511,9 @@ def check_devices(cfg: Config, has_cuda: bool) -> None:
     only with CUDA. Raises ConfigError naming the fix."""
     t = cfg.train
     if t.strategy in ("single", "dp") and not has_cuda:
-        raise ConfigError(f"train.strategy={t.strategy} needs a CUDA GPU and none is visible; use train.strategy=cpu (or auto)")
+        # a launcher that chose the strategy names its own fix (TorchX: --gpu 0)
+        fix = os.environ.get("TRAINER_NO_GPU_FIX") or "use train.strategy=cpu (or auto)"
+        raise ConfigError(f"train.strategy={t.strategy} needs a CUDA GPU and none is visible; {fix}")
     if t.device == "cuda" and not has_cuda:
         raise ConfigError("train.device=cuda but no CUDA GPU is visible; use train.device=cpu (or auto)")
     if cfg.dist.backend == "nccl" and (not has_cuda or t.device == "cpu"):

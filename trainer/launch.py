@@ -316,8 +316,40 @@ def _watch(proc: subprocess.Popen, exit_dir: Path, watch: LostRendezvous, poll_s
                 return proc.wait(), True
 
 
+MOUNTS_ENV = "TRAINER_MOUNTS"
+"""``dst=volume`` pairs (``;``-separated) a launcher mounted for the job (the TorchX components)."""
+
+
+def missing_mount() -> str | None:
+    """The one-line error for a volume the job was given that is not mounted: TorchX's Slurm and
+    local schedulers drop an AppDef's mounts without a word (the folder is then no mount point),
+    and the job would write its checkpoints to a folder of the node, which dies with it."""
+    for pair in filter(None, os.environ.get(MOUNTS_ENV, "").split(";")):
+        dst, _, volume = pair.partition("=")
+        if not os.path.ismount(dst):
+            return (f"error: the volume {volume} was to be mounted at {dst}, and nothing is mounted there: this scheduler mounts "
+                    "nothing (TorchX on Slurm or locally); pass --checkpoint_mount \"\" --checkpoint_dir DIR (and --data_mount \"\" "
+                    "--data_dir DIR) with folders on storage every node sees")
+    return None
+
+
+def _error_file(message: str) -> None:
+    """The torchelastic error file of a launcher that reads it (TorchX shows its message): our one
+    line, not the traceback of the SIGTERM that stopped torchrun."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        try:
+            Path(path).write_text(json.dumps({"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}))
+        except OSError:
+            pass
+
+
 def supervise(torchrun_args: list[str], poll_s: float = 0.5, grace_s: float = 60.0) -> int:
     """Run ``torchrun ARGS`` and return the contract's exit code (see the module docstring)."""
+    if (error := missing_mount()) is not None:
+        print(error, file=sys.stderr, flush=True)
+        _error_file(error)
+        return EXIT_USAGE
     exit_dir = Path(tempfile.mkdtemp(prefix="trainer-exit-"))
     # torchrun's restarts would reuse the c10d rendezvous store, whose stale keys from the failed
     # attempt make the new group connect to dead ranks (pytorch issue 167288): a fresh store each time
@@ -347,6 +379,8 @@ def supervise(torchrun_args: list[str], poll_s: float = 0.5, grace_s: float = 60
         final = verdict(code, recorded(exit_dir))
         if final == EXIT_USAGE and not stopped_for_usage:
             _say_usage_error(exit_dir)
+        if final == EXIT_USAGE:
+            _error_file(next((m for c, m in _records(exit_dir) if c == EXIT_USAGE and m), "bad input (exit 2)"))
         if got and final == EXIT_PREEMPTED:
             print(f"stopped by {signal.Signals(got[0]).name}; the workers saved a checkpoint: exit {EXIT_PREEMPTED} (run the same command to resume)",
                   file=sys.stderr, flush=True)
