@@ -94,7 +94,10 @@ set +e
 # since Slurm 22.05 srun does not inherit --cpus-per-task from sbatch: pass it on, or each task gets one CPU
 cpus=()
 if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then cpus=(--cpus-per-task="$SLURM_CPUS_PER_TASK"); fi
-srun --ntasks-per-node=1 --kill-on-bad-exit=1 "${cpus[@]}" "${container[@]}" bash -c "$node_cmd" trainer-torchrun \
+# --wait, not --kill-on-bad-exit: a node whose step exits 75 first must not have srun kill the
+# others while they still save (preemption and the time limit stop every node at once); a node that
+# crashes ends the step 60 s later at the latest
+srun --ntasks-per-node=1 --wait=60 "${cpus[@]}" "${container[@]}" bash -c "$node_cmd" trainer-torchrun \
     --nnodes="$SLURM_NNODES" --nproc-per-node="$NPROC_PER_NODE" --max-restarts="$MAX_RESTARTS" \
     --rdzv-backend=c10d --rdzv-endpoint="$head_node:$RDZV_PORT" --rdzv-id="$SLURM_JOB_ID" \
     -m trainer train --config "$CONFIG" checkpoint.dir="$ckpt_dir" data.dir="$data_dir" "$@" &
