@@ -72,3 +72,16 @@ def test_param_dtype_auto_takes_bf16_weights_only_where_they_work():
     assert not weights("single", "cuda", "optim.name=adamw") and not weights("single", "cuda", "optim.lookahead_every=5")
     assert not weights("single", "cuda", "train.precision=fp32")
     assert not Fast.resolve(load_config(), Runtime("single", 0, 0, 1, torch.device("cuda", 0), None)).bf16_weights  # the default: fp32
+
+
+def test_what_a_resolved_strategy_cannot_run_is_refused_naming_the_fix():
+    from trainer.config import ConfigError
+
+    def resolve(strategy: str, *overrides: str) -> Fast:
+        return Fast.resolve(load_config(None, list(overrides)), Runtime(strategy, 0, 0, 1, torch.device("cpu"), None))
+
+    with pytest.raises(ConfigError, match="set optim.lookahead_every=0 or use ddp"):
+        resolve("fsdp", "optim.lookahead_every=5")
+    with pytest.raises(ConfigError, match="use model.compile=false"):
+        resolve("dp", "model.compile=true")
+    assert resolve("ddp", "optim.lookahead_every=5") and resolve("fsdp")

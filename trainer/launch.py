@@ -142,10 +142,15 @@ def recorded(folder: Path) -> list[int]:
     return [code for code, _ in _records(folder)]
 
 
+def _usage_message(folder: Path) -> str:
+    """The bad-input line a worker of the newest attempt recorded ("" if none did)."""
+    return next((m for c, m in _records(folder) if c == EXIT_USAGE and m), "")
+
+
 def _say_usage_error(folder: Path) -> None:
     """The workers' bad-input line, once: a worker that fails first may take the others down before
     they print (torchrun stops the group), so the supervisor, not rank 0, says it."""
-    message = next((m for c, m in _records(folder) if c == EXIT_USAGE and m), "")
+    message = _usage_message(folder)
     if message:
         print(message, file=sys.stderr, flush=True)
 
@@ -279,6 +284,7 @@ def bytecode_env(torchrun_args: list[str], probe: str = "torch") -> dict[str, st
         i = next(i for i in range(len(torchrun_args) - 2) if torchrun_args[i:i + 3] == ["-m", "trainer", "train"])
         rest = torchrun_args[i + 3:]
         config_file = next((rest[j + 1] for j, a in enumerate(rest[:-1]) if a in ("--config", "-c")), None)
+        config_file = next((a.split("=", 1)[1] for a in rest if a.startswith("--config=")), config_file)
         overrides = [a for j, a in enumerate(rest) if "=" in a and not a.startswith("-") and (j == 0 or rest[j - 1] not in ("--config", "-c"))]
         from trainer.config import load_config
 
@@ -380,7 +386,7 @@ def supervise(torchrun_args: list[str], poll_s: float = 0.5, grace_s: float = 60
         if final == EXIT_USAGE and not stopped_for_usage:
             _say_usage_error(exit_dir)
         if final == EXIT_USAGE:
-            _error_file(next((m for c, m in _records(exit_dir) if c == EXIT_USAGE and m), "bad input (exit 2)"))
+            _error_file(_usage_message(exit_dir) or "bad input (exit 2)")
         if got and final == EXIT_PREEMPTED:
             print(f"stopped by {signal.Signals(got[0]).name}; the workers saved a checkpoint: exit {EXIT_PREEMPTED} (run the same command to resume)",
                   file=sys.stderr, flush=True)

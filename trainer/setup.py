@@ -49,6 +49,8 @@ class Fast:
         bf16_weights = cfg.train.param_dtype == "bf16" or (cfg.train.param_dtype == "auto" and bf16 and cfg.bf16_weights_problem(rt.strategy) is None)
         if cfg.model.compile and rt.strategy == "dp":
             raise ConfigError("model.compile=true does not work with train.strategy=dp; use model.compile=false (or auto) or train.strategy=ddp")
+        if cfg.optim.lookahead_every and rt.strategy == "fsdp":
+            raise ConfigError("optim.lookahead_every (Lookahead) does not work with train.strategy=fsdp; set optim.lookahead_every=0 or use ddp")
         return cls(
             bf16=bf16,
             bf16_weights=bf16_weights,
