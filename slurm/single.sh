@@ -2,7 +2,7 @@
 # One GPU (train.strategy=single), under torchrun for its restarts. Submit from the repository root:
 #   sbatch slurm/single.sh
 #   RUN_NAME=fast CONFIG=configs/fast.yaml sbatch slurm/single.sh data.name=imagefolder
-# Environment knobs are listed in slurm/launch.sh; preemption and requeue work as in slurm/ddp.sh.
+# Environment knobs are listed in slurm/steps.sh; preemption and requeue work as in slurm/ddp.sh.
 #SBATCH --job-name=cifar-single
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=1
@@ -17,5 +17,5 @@
 
 export NPROC_PER_NODE=1
 set -- train.strategy=single "$@"
-# shellcheck source=slurm/launch.sh
-source "${REPO:-$SLURM_SUBMIT_DIR}/slurm/launch.sh"
+# shellcheck source=slurm/steps.sh
+source "${REPO:-$SLURM_SUBMIT_DIR}/slurm/steps.sh"

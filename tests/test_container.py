@@ -22,7 +22,7 @@ import pytest
 import yaml
 from conftest import ROOT, SHARED_DATA, free_port
 
-from trainer.launch import EXIT_PREEMPTED
+from trainer.supervisor import EXIT_PREEMPTED
 
 pytestmark = pytest.mark.container
 

@@ -22,7 +22,7 @@ import torch
 from conftest import ROOT, TINY, env, newest, weights
 from hosts import Bed, SlurmCluster, namespaces
 
-from trainer.launch import EXIT_PREEMPTED
+from trainer.supervisor import EXIT_PREEMPTED
 
 pytestmark = pytest.mark.slow
 

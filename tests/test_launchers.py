@@ -8,6 +8,7 @@ import copy
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -384,6 +385,29 @@ def test_torchx_kubernetes_dryrun_is_a_valid_volcano_job():
         claims = {v["name"]: v.get("persistentVolumeClaim", {}).get("claimName") for v in task["template"]["spec"]["volumes"]}
         assert claims[mounts["/checkpoints"]["name"]] == "cifar-checkpoints"
         assert "-m trainer train" in c["command"][-1] and "--max-restarts 3" in c["command"][-1]
+
+
+def readme_torchx_commands() -> list[tuple[dict, list[str]]]:
+    """The README's `torchx run` commands: (their environment assignments, their arguments)."""
+    block = (ROOT / "README.md").read_text().split("### Kubernetes and Slurm: TorchX", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    commands = []
+    for cmd in block.replace("\\\n", " ").splitlines():
+        words = shlex.split(cmd.split("#", 1)[0])
+        if "torchx" in words:
+            at = words.index("torchx")
+            commands.append((dict(w.split("=", 1) for w in words[:at]), words[at + 1:]))
+    return commands
+
+
+def test_the_readmes_torchx_commands_dry_run_as_written():
+    commands = readme_torchx_commands()
+    assert {args[args.index("-s") + 1] for _, args in commands} == {"kubernetes", "slurm", "local_cwd"}
+    for assigned, args in commands:
+        p = torchx(args[0], "--dryrun", *args[1:], env=env(**assigned))
+        request = scheduler_request(p.stdout)
+        assert "TRAINER_SLURM_SUPERVISE" in request, request
+        if "slurm" in args:  # the CPUs srun must pass on, and the time limit the job saves before
+            assert assigned == {"SRUN_CPUS_PER_TASK": "8"} and "--cpus-per-task=8" in request and "--time=04:00:00" in request, request
 
 
 def test_torchx_slurm_dryrun_asks_for_the_right_resources():

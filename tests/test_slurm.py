@@ -3,6 +3,7 @@ CPU and gloo, a tiny config, the GPU request overridden with --gpus-per-node=0."
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -116,3 +117,82 @@ def test_the_ddp_script_asks_for_requeue_a_time_limit_and_one_task_per_node(tmp_
         assert job_field(job, "NumTasks") == "1" and job_field(job, "JobName") == "cifar-ddp"
     finally:
         subprocess.run(["scancel", job])
+
+
+# TorchX's own sbatch script (torchx 0.7): no USR1, a requeue on any failure while --max_retries
+# allows, srun without -c. The supervisor looks after the job there (trainer/slurm.py).
+
+def torchx_slurm(tmp: Path, *overrides: str, max_retries: int = 0, margin_s: int = 95, minutes: int = 2) -> str:
+    """`torchx run -s slurm` of the DDP component (2 CPU processes); its job id."""
+    import sys
+
+    from conftest import env
+
+    (tmp / "job").mkdir()
+    torchx = str(Path(sys.executable).parent / "torchx")
+    p = subprocess.run([torchx, "run", "--workspace", "", "-s", "slurm", "-cfg", f"time={minutes},job_dir={tmp / 'job'}",
+                        f"{ROOT / 'trainer' / 'components.py'}:train_ddp", "--j", "1x2", "--gpu", "0", "--cpu", "2", "--memMB", "1000",
+                        "--max_retries", str(max_retries), "--config", str(ROOT / "configs" / "smoke.yaml"), "--checkpoint_mount", "",
+                        "--checkpoint_dir", str(tmp / "ck" / "run"), "--data_dir", str(tmp / "data"),
+                        "--env", f"TRAINER_PYTHON={sys.executable},TRAINER_SLURM_MARGIN_S={margin_s},OMP_NUM_THREADS=1",
+                        "--", "train.plot=false", "train.log_every=50", *overrides],
+                       cwd=tmp, env=env(), capture_output=True, text=True, timeout=120)  # torchx writes .torchxslurmjobdirs here
+    # torchx prints the app handle, then may fail to describe the job (this cluster keeps no accounting)
+    m = re.search(r"slurm://torchx/(\d+)", p.stdout + p.stderr)
+    assert m, p.stdout + p.stderr
+    return m.group(1)
+
+
+def starts(tmp: Path) -> list[int]:
+    metrics = tmp / "ck" / "run" / "metrics.jsonl"
+    if not metrics.exists():
+        return []
+    return [r["step"] for r in map(json.loads, metrics.read_text().splitlines()) if r.get("event") == "start"]
+
+
+def test_torchx_job_saves_before_its_time_limit_requeues_itself_and_resumes(tmp_path):
+    # a 2-minute job that stops 95 s before its limit; --max_retries 0, so TorchX's script requeues nothing
+    job = torchx_slurm(tmp_path, "train.epochs=2000")
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and len(starts(tmp_path)) < 2:
+            time.sleep(1)
+        first, *again = starts(tmp_path)
+        assert first == 0 and again, "\n".join(f.read_text()[-2000:] for f in (tmp_path / "job").glob("*.out"))
+        assert int(job_field(job, "Restarts")) >= 1
+        rows = [json.loads(line) for line in (tmp_path / "ck" / "run" / "metrics.jsonl").read_text().splitlines()]
+        saved = [r["step"] for r in rows[:[r.get("event") for r in rows].index("start", 1)] if r.get("event") == "checkpoint"]
+        assert again[0] == saved[-1] > 0  # the requeued job resumed from the save made before the time limit
+    finally:
+        subprocess.run(["scancel", job])
+
+
+def test_torchx_job_with_bad_input_is_not_requeued_even_with_retries_left(tmp_path):
+    job = torchx_slurm(tmp_path, "train.epochs=-1", max_retries=3)
+    deadline = time.time() + 180
+    while time.time() < deadline and job_field(job, "JobState") not in ("COMPLETED", "FAILED", "CANCELLED"):
+        time.sleep(1)
+    time.sleep(2)  # a requeue would show now
+    err = (tmp_path / "job" / f"slurm-{job}-trainer-0.err").read_text()
+    assert job_field(job, "JobState") == "FAILED" and job_field(job, "Restarts") == "0" and job_field(job, "Requeue") == "0", err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "train.epochs" in errors[0], err
+    assert "is no longer requeueable" in err and "Traceback" not in err
+    assert not list((tmp_path / "ck").rglob("step-*"))
+
+
+@pytest.mark.parametrize("confined", [True, False])
+def test_a_step_with_fewer_cpus_than_the_job_asked_says_how_to_fix_it(confined):
+    import sys
+
+    # srun -c 2, then confined to one CPU as srun without -c confines a task where Slurm binds tasks
+    taskset = ["taskset", "-c", "0"] if confined else []
+    p = subprocess.run(["srun", "-c", "2", *taskset, "env", "TRAINER_SLURM_MARGIN_S=soon", sys.executable,
+                        "-m", "trainer", "torchrun", "--nproc-per-node", "1", "-m", "trainer", "train"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    lines = [line for line in p.stderr.splitlines() if not line.startswith("srun: ")]
+    assert p.returncode == 2, p.stdout + p.stderr
+    warning = ("slurm: warning: this job step runs on 1 CPU(s) of the 2 per task the job holds (srun has not passed "
+               "--cpus-per-task on since Slurm 22.05): export SRUN_CPUS_PER_TASK=2 before sbatch or torchx run, or srun -c 2")
+    assert lines[:-1] == ([warning] if confined else []), p.stderr
+    assert lines[-1].startswith("error: TRAINER_SLURM_MARGIN_S='soon' is not a number of seconds"), p.stderr

@@ -1,4 +1,4 @@
-"""The hang watchdog (trainer/watchdog.py) and the supervisor's part in it (trainer/launch.py):
+"""The hang watchdog (trainer/watchdog.py) and the supervisor's part in it (trainer/supervisor.py):
 a run that stops making progress ends as a crash with its stacks saved, and is restarted; with
 real processes, real signals and real torchrun."""
 
@@ -18,7 +18,7 @@ import pytest
 from conftest import ROOT, TINY, env, trainer_cmd, worker
 
 from trainer import watchdog
-from trainer.launch import EXIT_HUNG, HEARTBEAT_MARGIN_S, kill_hung_workers
+from trainer.supervisor import EXIT_HUNG, HEARTBEAT_MARGIN_S, kill_hung_workers
 from trainer.watchdog import Watchdog
 
 

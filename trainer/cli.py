@@ -24,7 +24,7 @@ import time
 import click
 
 from trainer.config import ConfigError, check_batch, check_devices, explain, load_config, to_yaml
-from trainer.launch import EXIT_USAGE, gpu_count, record_exit, stamp_command_start, supervised, writable_home
+from trainer.supervisor import EXIT_USAGE, gpu_count, record_exit, stamp_command_start, supervised, writable_home
 
 _LOCAL_RANK = re.compile(r"^--local[-_]rank(=(\d+))?$")
 
@@ -81,7 +81,7 @@ def train(config_file, overrides):
     """Train; resumes by itself from the newest complete checkpoint in checkpoint.dir."""
     started = time.perf_counter()
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: die with torchrun, never train on orphaned
-        from trainer.launch import die_with_parent
+        from trainer.supervisor import die_with_parent
 
         die_with_parent()
     cfg = load_config(config_file, overrides)
@@ -156,7 +156,7 @@ def data(config_file, overrides):
 def launch(nproc_per_node, max_restarts, config_file, overrides):
     """Check the config against this node and decode the data set into its cache if it is not
     there yet, then run torchrun -m trainer train with the same arguments, supervised (exit codes:
-    see trainer/launch.py). Only this first decode imports torch here: on a restart the launcher
+    see trainer/supervisor.py). Only this first decode imports torch here: on a restart the launcher
     costs a fraction of a second, and the workers make every other check (a bad input exits 2
     once, from rank 0, with no restart)."""
     cfg = load_config(config_file, overrides)
@@ -178,7 +178,7 @@ def launch(nproc_per_node, max_restarts, config_file, overrides):
 
 
 def _supervised(torchrun_args: list[str]) -> int:
-    from trainer.launch import supervise
+    from trainer.supervisor import supervise
 
     sys.stdout.flush()
     return supervise(torchrun_args)

@@ -7,13 +7,14 @@ From the repository root (scheduler defaults live in .torchxconfig)::
     torchx run --workspace "" -s kubernetes trainer/components.py:train_ddp --image ghcr.io/you/cluster-trainer:0.1.0 \\
         --j 2x8 --checkpoint_mount cifar-checkpoints --data_mount cifar-data -- train.epochs=30
     torchx run --workspace "" -s kubernetes trainer/components.py:train_single --image ghcr.io/you/cluster-trainer:0.1.0
-    torchx run --workspace "" -s slurm trainer/components.py:train_ddp --j 2x8 --checkpoint_mount "" \\
-        --checkpoint_dir /shared/ckpt/cifar --data_dir /shared/data
+    SRUN_CPUS_PER_TASK=8 torchx run --workspace "" -s slurm -cfg time=04:00:00 trainer/components.py:train_ddp --j 2x8 \\
+        --cpu 8 --max_retries 0 --checkpoint_mount "" --checkpoint_dir /shared/ckpt/cifar --data_dir /shared/data
     torchx run --workspace "" -s local_cwd trainer/components.py:train_ddp --j 1x2 --gpu 0 --config configs/smoke.yaml \\
         --checkpoint_mount "" --checkpoint_dir ./checkpoints/torchx --data_dir ./data
 
 Every component runs the same command as the other launchers: ``trainer torchrun ... -m trainer train``
-(torchrun under the trainer's supervisor, which keeps the exit status contract).
+(torchrun under the trainer's supervisor, which keeps the exit status contract and, on Slurm, stops
+before the time limit and requeues the job after the save: trainer/slurm.py).
 """
 
 # torchx 0.7's component linter reads annotations as written: keep typing.Optional/Dict here.
@@ -122,8 +123,9 @@ def train_ddp(
             for no mount
         mount_type: volume (Kubernetes PVC) or bind (host path)
         max_restarts: torchrun restarts of the process group after a failure (resumes from checkpoint)
-        max_retries: scheduler retries of the whole job (on Slurm, TorchX requeues on any non-zero
-            exit, bad input included: pass 0 there)
+        max_retries: scheduler retries of the whole job after a crash. On Slurm the job requeues
+            itself after a save for its time limit or a preemption whatever this says, and bad
+            input makes it not requeueable; pass 0 there to leave crashes to torchrun's restarts
         env: extra environment variables
     """
     nproc = j.rsplit("x", 1)[-1]
@@ -133,7 +135,9 @@ def train_ddp(
     mounts = _mounts(checkpoint_mount, checkpoint_root, data_mount, data_dir, mount_type)
     expected = [f"{checkpoint_root}={checkpoint_mount}"] * bool(checkpoint_mount) + [f"{data_dir}={data_mount}"] * bool(data_mount)
     train_args = ["--config", config, f"checkpoint.dir={checkpoint_dir}", f"data.dir={data_dir}", *script_args]
-    role_env = {"PYTHONUNBUFFERED": "1", "TRAINER_NO_GPU_FIX": "pass --gpu 0 to the component to train on the CPU",
+    # on Slurm the supervisor does what TorchX's batch script does not: stop before the time limit,
+    # requeue after the save, never after bad input (trainer/slurm.py); elsewhere the variable is inert
+    role_env = {"PYTHONUNBUFFERED": "1", "TRAINER_NO_GPU_FIX": "pass --gpu 0 to the component to train on the CPU", "TRAINER_SLURM_SUPERVISE": "1",
                 MOUNTS_ENV: ";".join(expected), **(env or {})}
     role = _role(train_args, image, j, gpu, cpu, memMB, h, mounts, max_restarts, max_retries, role_env)
     return specs.AppDef(name="cifar", roles=[role])

@@ -13,10 +13,10 @@ from trainer import compile_cache, parallel
 from trainer.config import to_yaml
 from trainer.dist import all_reduce_sum, barrier
 from trainer.evaluate import evaluate
-from trainer.launch import EXIT_PREEMPTED
 from trainer.metrics import StepProfiler, StepTimer, plot_curves, since_command
 from trainer.setup import Run
 from trainer.stop import crash_point
+from trainer.supervisor import EXIT_PREEMPTED
 
 
 class LogWindow:

@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 
 from trainer.dist import Runtime
-from trainer.launch import COMMAND_START_ENV
+from trainer.supervisor import COMMAND_START_ENV
 
 
 def since_command() -> float | None:
-    """Seconds since the command started (launch.stamp_command_start), as a user feels a start;
+    """Seconds since the command started (supervisor.stamp_command_start), as a user feels a start;
     None after torchrun restarted the workers (their command started long before) or without the stamp."""
     stamp = os.environ.get(COMMAND_START_ENV)
     if not stamp or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":

@@ -1,9 +1,9 @@
 """Stopping on signals, and the crash points the fault-injection tests use (the exit codes live in
-trainer/launch.py).
+trainer/supervisor.py).
 
 Preemption reaches a worker as SIGTERM (Kubernetes eviction, ``docker stop``, ``scancel``; the
 supervisor passes SIGTERM, SIGINT and SIGHUP to torchrun, which passes them to its workers, and
-turns SIGUSR1, Slurm's warning before the time limit that slurm/launch.sh passes on, into
+turns SIGUSR1, Slurm's warning before the time limit that slurm/steps.sh passes on, into
 SIGTERM). A worker that gets any of STOP_SIGNALS itself stops the same way. The handler raises a
 flag (rank 0 also says so at once). At every step boundary the ranks agree on the flags with one
 tiny all-reduce, so every rank stops after the *same* step and rank 0 saves a checkpoint of

@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from trainer.launch import COMMAND_START_ENV
+from trainer.supervisor import COMMAND_START_ENV
 
 SEEDNET_FLOP = 128.1e9  # per image per training step (6 x 21.35 G multiply-adds)
 PLAIN = ["train.precision=fp32", "model.compile=false", "model.channels_last=false", "data.device_resident=false", "optim.impl=loop"]

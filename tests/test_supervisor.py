@@ -1,4 +1,4 @@
-"""The exit status contract at the launcher (trainer/launch.py) and one writer per run folder
+"""The exit status contract at the launcher (trainer/supervisor.py) and one writer per run folder
 (checkpoint.FolderLock), with real torchrun, real signals and real processes."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from conftest import ROOT, TINY, env, newest, run, trainer_cmd
 
 from trainer import checkpoint
 from trainer.checkpoint import CheckpointError, FolderLock
-from trainer.launch import EXIT_PREEMPTED, EXIT_USAGE, verdict
+from trainer.supervisor import EXIT_PREEMPTED, EXIT_USAGE, verdict
 
 LONG = [*TINY, "train.epochs=400", "train.log_every=8", "checkpoint.every_steps=0"]
 
@@ -272,7 +272,8 @@ def test_launch_refuses_a_volume_without_room_for_keep_plus_one_checkpoints(tmp_
     errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
     assert p.returncode == EXIT_USAGE and len(errors) == 1, p.stderr
     assert f"checkpoint.keep={keep} needs (K + 1 checkpoints at a save, 4.83 GB each)" in errors[0]
-    assert "stopping torchrun without restarts" in p.stderr and not list((tmp_path / "ck").glob("step-*"))
+    # the error is the last line: no torchrun restart, no shutdown log after it
+    assert p.stderr.splitlines()[-1] == errors[0] and "restart worker group" not in p.stderr and not list((tmp_path / "ck").glob("step-*"))
 
 
 def test_the_supervisor_gives_each_torchrun_attempt_a_fresh_rendezvous_store(tmp_path):
@@ -285,7 +286,7 @@ def test_the_supervisor_gives_each_torchrun_attempt_a_fresh_rendezvous_store(tmp
 
 
 def test_a_missing_home_is_replaced_by_a_private_writable_one(tmp_path, monkeypatch):
-    from trainer.launch import writable_home
+    from trainer.supervisor import writable_home
 
     monkeypatch.setenv("HOME", str(tmp_path / "not-there"))
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
@@ -315,17 +316,17 @@ def agent():
 
 
 def test_an_agent_left_without_a_live_worker_past_its_rendezvous_bound_is_named(agent, monkeypatch):
-    from trainer import launch
+    from trainer import supervisor
 
-    monkeypatch.setattr(launch, "LOST_RENDEZVOUS_MARGIN_S", 1.5)
+    monkeypatch.setattr(supervisor, "LOST_RENDEZVOUS_MARGIN_S", 1.5)
     p = agent
-    watch = launch.LostRendezvous(["--rdzv-endpoint=node0:29400", "--rdzv-conf=join_timeout=1,read_timeout=1"], p.pid)
+    watch = supervisor.LostRendezvous(["--rdzv-endpoint=node0:29400", "--rdzv-conf=join_timeout=1,read_timeout=1"], p.pid)
     assert watch.bound_s == 2.5
     assert watch.check() == ""  # within the bound
     deadline = time.time() + 10
     while time.time() < deadline and [c.status() for c in psutil.Process(p.pid).children()] != [psutil.STATUS_ZOMBIE]:
         time.sleep(0.05)
-    assert launch._has_children(p.pid) is False  # its exited, unreaped child is no worker
+    assert supervisor._has_children(p.pid) is False  # its exited, unreaped child is no worker
     time.sleep(2.6)
     line = watch.check()
     assert "no worker has run on this node for 3 s" in line and "rendezvous at node0:29400" in line
@@ -333,18 +334,18 @@ def test_an_agent_left_without_a_live_worker_past_its_rendezvous_bound_is_named(
 
 
 def test_an_agent_with_a_live_worker_is_left_alone(monkeypatch):
-    from trainer import launch
+    from trainer import supervisor
 
-    monkeypatch.setattr(launch, "LOST_RENDEZVOUS_MARGIN_S", 0.0)
+    monkeypatch.setattr(supervisor, "LOST_RENDEZVOUS_MARGIN_S", 0.0)
     p = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; subprocess.run([sys.executable, '-c', 'import time; time.sleep(60)'])"])
     try:
         deadline = time.time() + 10
         while time.time() < deadline and not psutil.Process(p.pid).children():
             time.sleep(0.05)
-        watch = launch.LostRendezvous(["--rdzv-conf=join_timeout=0"], p.pid)
+        watch = supervisor.LostRendezvous(["--rdzv-conf=join_timeout=0"], p.pid)
         time.sleep(0.5)
-        assert launch._has_children(p.pid) is True and watch.check() == ""
-        assert launch.LostRendezvous([], p.pid).bound_s == 600 + launch.LOST_RENDEZVOUS_MARGIN_S  # torchrun's default
+        assert supervisor._has_children(p.pid) is True and watch.check() == ""
+        assert supervisor.LostRendezvous([], p.pid).bound_s == 600 + supervisor.LOST_RENDEZVOUS_MARGIN_S  # torchrun's default
     finally:
         for c in psutil.Process(p.pid).children(recursive=True):
             c.kill()
@@ -363,7 +364,7 @@ def test_an_agent_with_a_live_worker_is_left_alone(monkeypatch):
 def test_store_reads_wait_as_long_as_the_rendezvous(argv, expected):
     """A store read that times out on a cut link leaves the agent's connection out of step
     (tests/test_hosts.py shows the job ending): reads wait as long as join_timeout, unless given."""
-    from trainer.launch import with_long_store_reads
+    from trainer.supervisor import with_long_store_reads
 
     assert with_long_store_reads(argv) == expected
 
@@ -372,7 +373,7 @@ def test_workers_keep_python_bytecode_on_the_volume_where_the_installation_has_n
     """An installation without bytecode (pip --no-compile, a site-packages the job cannot write,
     PYTHONDONTWRITEBYTECODE=1) makes every process compile its sources at every start; then the
     workers' bytecode goes to the checkpoint volume, where a restart on any node finds it."""
-    from trainer.launch import bytecode_env
+    from trainer.supervisor import bytecode_env
 
     (tmp_path / "mod_without_bytecode.py").write_text("x = 1\n")  # never imported: no .pyc anywhere
     monkeypatch.syspath_prepend(str(tmp_path))

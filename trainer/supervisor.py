@@ -18,6 +18,9 @@ under :func:`supervise` (``trainer torchrun ...``, which ``trainer launch`` uses
   workers of the last attempt exited 75 gives 75; torchrun's 0 gives 0; any other end is a crash
   (torchrun's own code, never 0, 2 or 75).
 
+In a Slurm job whose batch script does not look after it (TorchX's), trainer/slurm.py stops the
+workers before the time limit and requeues the job after their save, never after bad input.
+
 A worker that makes no progress and cannot act on it itself (stopped, frozen) is killed here, so
 torchrun restarts the group (see trainer/watchdog.py: its heartbeat files in ``$TRAINER_EXIT_DIR``).
 An agent left without workers longer than its rendezvous can take (it waits on a first node it
@@ -42,6 +45,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from trainer import slurm
+
 EXIT_OK = 0
 EXIT_USAGE = 2
 """Bad config, bad input or a checkpoint that cannot be used: nothing was changed; do not retry."""
@@ -62,7 +67,7 @@ PR_SET_PDEATHSIG = 1
 
 
 def stamp_command_start() -> None:
-    """Note when the command started, unless a launcher further out did (slurm/launch.sh)."""
+    """Note when the command started, unless a launcher further out did (slurm/steps.sh)."""
     os.environ.setdefault(COMMAND_START_ENV, repr(time.time()))
 
 
@@ -296,30 +301,31 @@ def bytecode_env(torchrun_args: list[str], probe: str = "torch") -> dict[str, st
     return {"PYTHONPYCACHEPREFIX": str((Path(cfg.checkpoint.dir) / BYTECODE).resolve())}
 
 
-def _watch(proc: subprocess.Popen, exit_dir: Path, watch: LostRendezvous, poll_s: float, grace_s: float) -> tuple[int, bool]:
-    """Wait for torchrun, meanwhile killing hung workers and stopping it when its rendezvous is
-    lost or a worker exited with bad input; (its exit code, stopped for bad input)."""
+def _watch(proc: subprocess.Popen, exit_dir: Path, watch: LostRendezvous, limit: slurm.TimeLimit | None, poll_s: float) -> tuple[int, bool]:
+    """Wait for torchrun, meanwhile killing hung workers, stopping it (SIGTERM: the workers save) at
+    a Slurm job's time limit, and ending it when its rendezvous is lost or a worker exited with bad
+    input; (its exit code, ended for bad input)."""
     while True:
         try:
             return proc.wait(timeout=poll_s), False
         except subprocess.TimeoutExpired:
             pass
         kill_hung_workers(exit_dir)
+        if limit is not None and (line := limit.check()):
+            print(line, file=sys.stderr, flush=True)
+            proc.send_signal(signal.SIGTERM)
         lost = watch.check()
         if lost:
             print(lost, file=sys.stderr, flush=True)
             proc.kill()  # it has no worker left to stop
             proc.wait()
             return EXIT_CRASH, False
-        if EXIT_USAGE in recorded(exit_dir):  # bad input: torchrun would retry it as a crash
+        if EXIT_USAGE in recorded(exit_dir):
+            # bad input, found before any training: torchrun would retry it as a crash, and a
+            # SIGTERM would have it log its shutdown; its workers die with it (PR_SET_PDEATHSIG)
             _say_usage_error(exit_dir)
-            print(f"a worker exited {EXIT_USAGE} (bad input); stopping torchrun without restarts", file=sys.stderr, flush=True)
-            proc.terminate()
-            try:
-                return proc.wait(timeout=grace_s), True
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                return proc.wait(), True
+            proc.kill()
+            return proc.wait(), True
 
 
 MOUNTS_ENV = "TRAINER_MOUNTS"
@@ -350,11 +356,15 @@ def _error_file(message: str) -> None:
             pass
 
 
-def supervise(torchrun_args: list[str], poll_s: float = 0.5, grace_s: float = 60.0) -> int:
+def supervise(torchrun_args: list[str], poll_s: float = 0.5) -> int:
     """Run ``torchrun ARGS`` and return the contract's exit code (see the module docstring)."""
-    if (error := missing_mount()) is not None:
+    if warning := slurm.cpu_shortfall():
+        print(warning, file=sys.stderr, flush=True)
+    if (error := missing_mount() or slurm.margin_problem()) is not None:
         print(error, file=sys.stderr, flush=True)
         _error_file(error)
+        if slurm.supervising():
+            slurm.after(EXIT_USAGE, None)
         return EXIT_USAGE
     exit_dir = Path(tempfile.mkdtemp(prefix="trainer-exit-"))
     # torchrun's restarts would reuse the c10d rendezvous store, whose stale keys from the failed
@@ -363,7 +373,7 @@ def supervise(torchrun_args: list[str], poll_s: float = 0.5, grace_s: float = 60
     if "PYTHONPYCACHEPREFIX" in env:
         env.pop("PYTHONDONTWRITEBYTECODE", None)  # written under the prefix, on the volume, only
     torchrun_args = with_long_store_reads(torchrun_args)
-    cmd = [sys.executable, "-m", "trainer.launch", *torchrun_args]  # torchrun itself, see _torchrun
+    cmd = [sys.executable, "-m", "trainer.supervisor", *torchrun_args]  # torchrun itself, see _torchrun
     got: list[int] = []
 
     def on_signal(signum, frame):
@@ -378,10 +388,11 @@ def supervise(torchrun_args: list[str], poll_s: float = 0.5, grace_s: float = 60
                   "(Ctrl-C again stops at once)", file=sys.stderr, flush=True)
             proc.send_signal(FORWARDED[signum])
 
+    limit = slurm.TimeLimit() if slurm.supervising() else None
     proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=die_with_parent)
     previous = {s: signal.signal(s, on_signal) for s in FORWARDED}
     try:
-        code, stopped_for_usage = _watch(proc, exit_dir, LostRendezvous(torchrun_args, proc.pid), poll_s, grace_s)
+        code, stopped_for_usage = _watch(proc, exit_dir, LostRendezvous(torchrun_args, proc.pid), limit, poll_s)
         final = verdict(code, recorded(exit_dir))
         if final == EXIT_USAGE and not stopped_for_usage:
             _say_usage_error(exit_dir)
@@ -390,6 +401,8 @@ def supervise(torchrun_args: list[str], poll_s: float = 0.5, grace_s: float = 60
         if got and final == EXIT_PREEMPTED:
             print(f"stopped by {signal.Signals(got[0]).name}; the workers saved a checkpoint: exit {EXIT_PREEMPTED} (run the same command to resume)",
                   file=sys.stderr, flush=True)
+        if slurm.supervising():
+            slurm.after(final, limit)
         return final
     finally:
         for s, h in previous.items():
