@@ -304,6 +304,43 @@ def test_slurm_preemption_stops_both_nodes_with_75_and_the_requeued_job_resumes(
     assert f"resuming from {tmp_path}/checkpoints/pre/step-{stopped.group(1)}" in out and "done: step 1280" in out, out[-4000:]
 
 
+@pytest.mark.parametrize("supervised", [True, False], ids=["supervised", "control"])
+def test_a_preempted_torchx_job_saves_requeues_itself_and_resumes(slurm, tmp_path, supervised):
+    """TorchX's sbatch script (torchx 0.7) asks for no requeue of its own when --max_retries is 0;
+    Slurm's preemption SIGTERMs the step and ends the job FAILED once its srun exits 75 within the
+    grace time (the control: the component's TRAINER_SLURM_SUPERVISE switched off). Supervised, the
+    job saves, finds its PreemptTime, requeues itself and resumes from that save when the nodes are
+    free again."""
+    from test_slurm import starts, torchx_job_id, torchx_slurm_cmd
+
+    cmd = torchx_slurm_cmd(tmp_path, "train.epochs=40", "checkpoint.every_steps=16", minutes=None, nproc=1)
+    if not supervised:
+        i = cmd.index("--env") + 1
+        cmd[i] += ",TRAINER_SLURM_SUPERVISE=0"
+    job = torchx_job_id(slurm.run(*cmd, env=env(), cwd=tmp_path, timeout=120))  # torchx writes .torchxslurmjobdirs here
+    metrics = tmp_path / "ck" / "run" / "metrics.jsonl"
+    deadline = time.time() + 180
+    while time.time() < deadline and not (metrics.exists() and '"event": "log"' in metrics.read_text()):
+        time.sleep(0.5)
+    urgent = slurm.run("sbatch", "--parsable", "--partition=urgent", "--nodes=2", f"--cpus-per-task={os.cpu_count() or 2}",
+                       f"--output={tmp_path}/urgent-%j.out", "--wrap", "sleep 2", cwd=tmp_path)
+    assert urgent.returncode == 0, urgent.stderr
+    assert wait_for(slurm, urgent.stdout.strip(), timeout=180) == "COMPLETED"
+    state = wait_for(slurm, job, timeout=400)
+    logs = "\n".join(f.read_text()[-3000:] for f in sorted((tmp_path / "job").glob("slurm-*")))
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    saved = [r["step"] for r in rows if r.get("event") == "checkpoint"]
+    if not supervised:  # stopped and saved (exit 75), but never requeued
+        assert state == "FAILED" and slurm.job_field(job, "Restarts") == "0" and starts(tmp_path) == [0], f"{state}\n{logs}"
+        assert "exited with code 75" in logs and saved, logs
+        return
+    assert state == "COMPLETED" and int(slurm.job_field(job, "Restarts")) >= 1, f"{state}\n{logs}"  # the requeued run's log replaced the first's
+    first, *again = starts(tmp_path)
+    before = [r["step"] for r in rows[:[r.get("event") for r in rows].index("start", 1)] if r.get("event") == "checkpoint"]
+    assert first == 0 and again == [before[-1]], (again, before)  # resumed from the save the preemption made
+    assert rows[-1].get("event") != "start" and any(r.get("event") == "epoch" and r.get("epoch") == 40 for r in rows), rows[-3:]
+
+
 # ------------------------------------------------------------------------------------------------
 # A PyTorchJob across hosts: the operator's part played (tests/test_launchers.py), each pod on a
 # host of its own named as the pod, MASTER_ADDR the master's Service name resolving to its host

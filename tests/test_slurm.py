@@ -122,28 +122,41 @@ def test_the_ddp_script_asks_for_requeue_a_time_limit_and_one_task_per_node(tmp_
 # TorchX's own sbatch script (torchx 0.7): no USR1, a requeue on any failure while --max_retries
 # allows, srun without -c. The supervisor looks after the job there (trainer/slurm.py).
 
-def torchx_slurm(tmp: Path, *overrides: str, max_retries: int = 0, margin_s: int = 95, minutes: int = 2) -> str:
-    """`torchx run -s slurm` of the DDP component (2 CPU processes); its job id."""
+def torchx_slurm_cmd(tmp: Path, *overrides: str, max_retries: int = 0, margin_s: int = 95, minutes: int | None = 2,
+                     nproc: int = 2) -> list[str]:
+    """`torchx run -s slurm` of the DDP component (CPU processes): its command line. ``tmp/job`` is
+    the job folder (made here), ``tmp/ck/run`` the run's checkpoints."""
     import sys
 
-    from conftest import env
-
     (tmp / "job").mkdir()
-    torchx = str(Path(sys.executable).parent / "torchx")
-    p = subprocess.run([torchx, "run", "--workspace", "", "-s", "slurm", "-cfg", f"time={minutes},job_dir={tmp / 'job'}",
-                        f"{ROOT / 'trainer' / 'components.py'}:train_ddp", "--j", "1x2", "--gpu", "0", "--cpu", "2", "--memMB", "1000",
-                        "--max_retries", str(max_retries), "--config", str(ROOT / "configs" / "smoke.yaml"), "--checkpoint_mount", "",
-                        "--checkpoint_dir", str(tmp / "ck" / "run"), "--data_dir", str(tmp / "data"),
-                        "--env", f"TRAINER_PYTHON={sys.executable},TRAINER_SLURM_MARGIN_S={margin_s},OMP_NUM_THREADS=1",
-                        "--", "train.plot=false", "train.log_every=50", *overrides],
-                       cwd=tmp, env=env(), capture_output=True, text=True, timeout=120)  # torchx writes .torchxslurmjobdirs here
-    # torchx prints the app handle, then may fail to describe the job (this cluster keeps no accounting)
+    time_limit = f"time={minutes}," if minutes else ""
+    return [str(Path(sys.executable).parent / "torchx"), "run", "--workspace", "", "-s", "slurm", "-cfg", f"{time_limit}job_dir={tmp / 'job'}",
+            f"{ROOT / 'trainer' / 'components.py'}:train_ddp", "--j", f"1x{nproc}", "--gpu", "0", "--cpu", "2", "--memMB", "1000",
+            "--max_retries", str(max_retries), "--config", str(ROOT / "configs" / "smoke.yaml"), "--checkpoint_mount", "",
+            "--checkpoint_dir", str(tmp / "ck" / "run"), "--data_dir", str(tmp / "data"),
+            "--env", f"TRAINER_PYTHON={sys.executable},TRAINER_SLURM_MARGIN_S={margin_s},OMP_NUM_THREADS=1",
+            "--", "train.plot=false", "train.log_every=50", *overrides]
+
+
+def torchx_job_id(p: subprocess.CompletedProcess) -> str:
+    """The Slurm job id of a `torchx run -s slurm`; torchx prints the app handle, then may fail to
+    describe the job (these clusters keep no accounting)."""
     m = re.search(r"slurm://torchx/(\d+)", p.stdout + p.stderr)
     assert m, p.stdout + p.stderr
     return m.group(1)
 
 
+def torchx_slurm(tmp: Path, *overrides: str, max_retries: int = 0, margin_s: int = 95, minutes: int = 2) -> str:
+    """`torchx run -s slurm` on the one-node cluster; its job id."""
+    from conftest import env
+
+    cmd = torchx_slurm_cmd(tmp, *overrides, max_retries=max_retries, margin_s=margin_s, minutes=minutes)
+    # torchx writes .torchxslurmjobdirs into its working folder
+    return torchx_job_id(subprocess.run(cmd, cwd=tmp, env=env(), capture_output=True, text=True, timeout=120))
+
+
 def starts(tmp: Path) -> list[int]:
+    """The steps at which the run in ``tmp/ck/run`` started (0, then each resume's step)."""
     metrics = tmp / "ck" / "run" / "metrics.jsonl"
     if not metrics.exists():
         return []
