@@ -24,6 +24,19 @@ def test_two_epochs_equal_one_then_a_resumed_one_bit_for_bit(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_resumed_airnet_ends_as_the_straight_run_without_recomputing_its_whitening(tmp_path):
+    """A resume skips the whitening computed from data (its checkpoint holds the weights): the end
+    is still bit for bit the uninterrupted run's."""
+    airnet = ("model.name=airnet", "train.batch_size=64", *CONSTANT)
+    train(tmp_path / "straight", "train.epochs=2", *airnet)
+    train(tmp_path / "split", "train.epochs=1", *airnet)
+    p = train(tmp_path / "split", "train.epochs=2", *airnet)
+    assert "resuming from" in p.stdout and "step-8" in p.stdout
+    a, b = weights(newest(tmp_path / "straight")), weights(newest(tmp_path / "split"))
+    assert "whiten.weight" in a and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
 def test_async_checkpoints_under_ddp_keep_the_ranks_in_step(ckpt):
     """Only rank 0 has a background writer; the ranks must still make the same collectives."""
     p = train(ckpt, "train.epochs=3", "checkpoint.async_save=true", "checkpoint.every_steps=5", "dist.timeout_s=60", nproc=2, timeout=240)
