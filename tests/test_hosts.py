@@ -284,18 +284,24 @@ def test_a_lost_slurm_node_requeues_the_job_and_it_resumes_when_the_node_is_back
           f"{t_next - t_crash:.0f} s after the crash (the node back {t_down + 3 - t_crash:.0f} s after it)")
 
 
+def preempt_once_training(cluster: SlurmCluster, tmp: Path, metrics: Path) -> None:
+    """Once the run writing ``metrics`` logs a training line, a job of the ``urgent`` partition takes
+    both nodes (preempting ours) and finishes."""
+    deadline = time.time() + 180
+    while time.time() < deadline and not (metrics.exists() and '"event": "log"' in metrics.read_text()):
+        time.sleep(0.5)
+    urgent = cluster.run("sbatch", "--parsable", "--partition=urgent", "--nodes=2", f"--cpus-per-task={os.cpu_count() or 2}",
+                         f"--output={tmp}/urgent-%j.out", "--wrap", "sleep 2", cwd=tmp)
+    assert urgent.returncode == 0, urgent.stderr
+    assert wait_for(cluster, urgent.stdout.strip(), timeout=180) == "COMPLETED"
+
+
 def test_slurm_preemption_stops_both_nodes_with_75_and_the_requeued_job_resumes(slurm, tmp_path):
     """A job of a higher partition takes both nodes: Slurm signals every step of ours (SIGTERM, with
     GraceTime), requeues the job, and starts it again once the nodes are free."""
     job = sbatch(slurm, tmp_path, "pre", "train.epochs=40", "checkpoint.every_steps=16")
     metrics = tmp_path / "checkpoints" / "pre" / "metrics.jsonl"
-    deadline = time.time() + 180
-    while time.time() < deadline and not (metrics.exists() and '"event": "log"' in metrics.read_text()):
-        time.sleep(0.5)
-    urgent = slurm.run("sbatch", "--parsable", "--partition=urgent", "--nodes=2", f"--cpus-per-task={os.cpu_count() or 2}",
-                       f"--output={tmp_path}/urgent-%j.out", "--wrap", "sleep 2", cwd=tmp_path)
-    assert urgent.returncode == 0, urgent.stderr
-    assert wait_for(slurm, urgent.stdout.strip(), timeout=180) == "COMPLETED"
+    preempt_once_training(slurm, tmp_path, metrics)
     assert wait_for(slurm, job, timeout=400) == "COMPLETED", (tmp_path / f"slurm-{job}.out").read_text()[-4000:]
     out = (tmp_path / f"slurm-{job}.out").read_text()
     assert out.count("the workers saved a checkpoint: exit 75") == 2, out[-4000:]  # every node's supervisor
@@ -311,7 +317,7 @@ def test_a_preempted_torchx_job_saves_requeues_itself_and_resumes(slurm, tmp_pat
     grace time (the control: the component's TRAINER_SLURM_SUPERVISE switched off). Supervised, the
     job saves, finds its PreemptTime, requeues itself and resumes from that save when the nodes are
     free again."""
-    from test_slurm import starts, torchx_job_id, torchx_slurm_cmd
+    from test_slurm import records, saved_before_first_resume, starts, torchx_job_id, torchx_slurm_cmd
 
     cmd = torchx_slurm_cmd(tmp_path, "train.epochs=40", "checkpoint.every_steps=16", minutes=None, nproc=1)
     if not supervised:
@@ -319,25 +325,17 @@ def test_a_preempted_torchx_job_saves_requeues_itself_and_resumes(slurm, tmp_pat
         cmd[i] += ",TRAINER_SLURM_SUPERVISE=0"
     job = torchx_job_id(slurm.run(*cmd, env=env(), cwd=tmp_path, timeout=120))  # torchx writes .torchxslurmjobdirs here
     metrics = tmp_path / "ck" / "run" / "metrics.jsonl"
-    deadline = time.time() + 180
-    while time.time() < deadline and not (metrics.exists() and '"event": "log"' in metrics.read_text()):
-        time.sleep(0.5)
-    urgent = slurm.run("sbatch", "--parsable", "--partition=urgent", "--nodes=2", f"--cpus-per-task={os.cpu_count() or 2}",
-                       f"--output={tmp_path}/urgent-%j.out", "--wrap", "sleep 2", cwd=tmp_path)
-    assert urgent.returncode == 0, urgent.stderr
-    assert wait_for(slurm, urgent.stdout.strip(), timeout=180) == "COMPLETED"
+    preempt_once_training(slurm, tmp_path, metrics)
     state = wait_for(slurm, job, timeout=400)
     logs = "\n".join(f.read_text()[-3000:] for f in sorted((tmp_path / "job").glob("slurm-*")))
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    saved = [r["step"] for r in rows if r.get("event") == "checkpoint"]
+    rows, saved = records(tmp_path), saved_before_first_resume(tmp_path)
     if not supervised:  # stopped and saved (exit 75), but never requeued
         assert state == "FAILED" and slurm.job_field(job, "Restarts") == "0" and starts(tmp_path) == [0], f"{state}\n{logs}"
         assert "exited with code 75" in logs and saved, logs
         return
     assert state == "COMPLETED" and int(slurm.job_field(job, "Restarts")) >= 1, f"{state}\n{logs}"  # the requeued run's log replaced the first's
     first, *again = starts(tmp_path)
-    before = [r["step"] for r in rows[:[r.get("event") for r in rows].index("start", 1)] if r.get("event") == "checkpoint"]
-    assert first == 0 and again == [before[-1]], (again, before)  # resumed from the save the preemption made
+    assert first == 0 and again == [saved[-1]], (again, saved)  # resumed from the save the preemption made
     assert rows[-1].get("event") != "start" and any(r.get("event") == "epoch" and r.get("epoch") == 40 for r in rows), rows[-3:]
 
 

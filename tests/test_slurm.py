@@ -155,12 +155,23 @@ def torchx_slurm(tmp: Path, *overrides: str, max_retries: int = 0, margin_s: int
     return torchx_job_id(subprocess.run(cmd, cwd=tmp, env=env(), capture_output=True, text=True, timeout=120))
 
 
+def records(tmp: Path) -> list[dict]:
+    """The metrics.jsonl records of the run in ``tmp/ck/run`` (none before it starts)."""
+    metrics = tmp / "ck" / "run" / "metrics.jsonl"
+    return [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+
+
 def starts(tmp: Path) -> list[int]:
     """The steps at which the run in ``tmp/ck/run`` started (0, then each resume's step)."""
-    metrics = tmp / "ck" / "run" / "metrics.jsonl"
-    if not metrics.exists():
-        return []
-    return [r["step"] for r in map(json.loads, metrics.read_text().splitlines()) if r.get("event") == "start"]
+    return [r["step"] for r in records(tmp) if r.get("event") == "start"]
+
+
+def saved_before_first_resume(tmp: Path) -> list[int]:
+    """The steps the run's first start saved checkpoints at (all of them when it never resumed)."""
+    rows = records(tmp)
+    events = [r.get("event") for r in rows]
+    end = events.index("start", 1) if events.count("start") > 1 else len(rows)
+    return [r["step"] for r in rows[:end] if r.get("event") == "checkpoint"]
 
 
 def test_torchx_job_saves_before_its_time_limit_requeues_itself_and_resumes(tmp_path):
@@ -173,8 +184,7 @@ def test_torchx_job_saves_before_its_time_limit_requeues_itself_and_resumes(tmp_
         first, *again = starts(tmp_path)
         assert first == 0 and again, "\n".join(f.read_text()[-2000:] for f in (tmp_path / "job").glob("*.out"))
         assert int(job_field(job, "Restarts")) >= 1
-        rows = [json.loads(line) for line in (tmp_path / "ck" / "run" / "metrics.jsonl").read_text().splitlines()]
-        saved = [r["step"] for r in rows[:[r.get("event") for r in rows].index("start", 1)] if r.get("event") == "checkpoint"]
+        saved = saved_before_first_resume(tmp_path)
         assert again[0] == saved[-1] > 0  # the requeued job resumed from the save made before the time limit
     finally:
         subprocess.run(["scancel", job])

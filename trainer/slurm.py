@@ -106,13 +106,15 @@ def preempted() -> bool:
 def after(code: int, limit: TimeLimit | None) -> None:
     """The job's fate after the supervisor's exit code: requeued after a save for its time limit or a
     preemption (the first task asks; the others' steps end with the job), never after bad input."""
+    from trainer.supervisor import EXIT_PREEMPTED, EXIT_USAGE  # here: the supervisor imports this module
+
     job = _job()
-    if code == 2:
+    if code == EXIT_USAGE:
         if _slurm("scontrol", "update", f"JobId={job}", "Requeue=0") is not None:
             print(f"slurm: job {job} had bad input: it is no longer requeueable (fix the input and submit again)", file=sys.stderr, flush=True)
         return
     first = os.environ.get("SLURM_PROCID", "0") == "0"
-    if code != 75 or not first or not ((limit is not None and limit.reached) or preempted()):
+    if code != EXIT_PREEMPTED or not first or not ((limit is not None and limit.reached) or preempted()):
         return
     print(f"slurm: requeueing job {job}; it resumes from the checkpoint just saved", file=sys.stderr, flush=True)
     if _slurm("scontrol", "requeue", job) is None:
