@@ -369,25 +369,29 @@ def test_store_reads_wait_as_long_as_the_rendezvous(argv, expected):
     assert with_long_store_reads(argv) == expected
 
 
-def test_workers_keep_python_bytecode_on_the_volume_where_the_installation_has_none(tmp_path, monkeypatch):
-    """An installation without bytecode (pip --no-compile, a site-packages the job cannot write,
-    PYTHONDONTWRITEBYTECODE=1) makes every process compile its sources at every start; then the
-    workers' bytecode goes to the checkpoint volume, where a restart on any node finds it."""
-    from trainer.supervisor import bytecode_env
+def test_workers_keep_node_caches_on_the_volume(tmp_path, monkeypatch):
+    """What a fresh node lacks goes to the checkpoint volume, where a restart on any node finds it:
+    the CUDA driver's JIT cache always, and the workers' Python bytecode where the installation has
+    none (pip --no-compile, a site-packages the job cannot write, PYTHONDONTWRITEBYTECODE=1: every
+    process compiles its sources at every start otherwise)."""
+    from trainer.supervisor import node_cache_env
 
     (tmp_path / "mod_without_bytecode.py").write_text("x = 1\n")  # never imported: no .pyc anywhere
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
+    monkeypatch.delenv("CUDA_CACHE_PATH", raising=False)
     args = ["--standalone", "--nproc-per-node=2", "-m", "trainer", "train", "--config", "configs/smoke.yaml", f"checkpoint.dir={tmp_path / 'ck'}"]
     prefix = (tmp_path / "ck" / "compile-cache" / "python-bytecode").resolve()
-    assert bytecode_env(args, probe="mod_without_bytecode") == {"PYTHONPYCACHEPREFIX": str(prefix)}
-    assert bytecode_env(args) == {}  # this venv's torch carries its bytecode: left alone
-    assert bytecode_env([*args, "model.compile_cache=false"], probe="mod_without_bytecode") == {}
-    assert bytecode_env(["--standalone", "-m", "other.module"], probe="mod_without_bytecode") == {}
+    jit = {"CUDA_CACHE_PATH": str((tmp_path / "ck" / "compile-cache" / "cuda-jit").resolve())}
+    assert node_cache_env(args, probe="mod_without_bytecode") == {**jit, "PYTHONPYCACHEPREFIX": str(prefix)}
+    assert node_cache_env(args) == jit  # this venv's torch carries its bytecode: left alone
+    assert node_cache_env([*args, "model.compile_cache=false"], probe="mod_without_bytecode") == {}
+    assert node_cache_env(["--standalone", "-m", "other.module"], probe="mod_without_bytecode") == {}
     # a worker started with it writes its bytecode there (and reads it back on the next start)
     child = {**os.environ, "PYTHONPATH": str(tmp_path), "PYTHONPYCACHEPREFIX": str(prefix)}
     child.pop("PYTHONDONTWRITEBYTECODE", None)
     subprocess.run([sys.executable, "-c", "import mod_without_bytecode"], env=child, check=True)
     assert list(prefix.rglob("mod_without_bytecode*.pyc"))
-    monkeypatch.setenv("PYTHONPYCACHEPREFIX", str(tmp_path / "mine"))  # the caller's own prefix wins
-    assert bytecode_env(args, probe="mod_without_bytecode") == {}
+    monkeypatch.setenv("PYTHONPYCACHEPREFIX", str(tmp_path / "mine"))  # the caller's own settings win
+    monkeypatch.setenv("CUDA_CACHE_PATH", str(tmp_path / "nv"))
+    assert node_cache_env(args, probe="mod_without_bytecode") == {}

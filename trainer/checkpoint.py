@@ -519,6 +519,16 @@ class OptimizerPart:
     def load_state_dict(self, state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
+        if not any(isinstance(v, torch.Tensor) for per_param in state["state"].values() for v in per_param.values()):
+            # Nothing per parameter (SGD without momentum, as seed.yaml): torch's loader learns the
+            # device from tensors and fails without any ("Expected device to be set"); the groups'
+            # settings are all there is to restore.
+            if len(state["param_groups"]) != len(self.optimizer.param_groups):
+                raise CheckpointError(f"the checkpoint's optimizer has {len(state['param_groups'])} parameter groups, this run's "
+                                      f"{len(self.optimizer.param_groups)}; resume with the optim settings it was saved with")
+            for group, saved in zip(self.optimizer.param_groups, state["param_groups"], strict=True):
+                group.update({k: v for k, v in saved.items() if k != "params"})
+            return
         # not strict: parameters with no state of their own (bf16 weights: their masters' momentum
         # is the masters' part) or none yet (a momentum-free group) are legitimate
         set_optimizer_state_dict(self.model, self.optimizer, state, options=_full(strict=False))

@@ -44,6 +44,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from trainer import slurm
 
@@ -268,23 +269,12 @@ def verdict(torchrun_code: int, codes: list[int]) -> int:
 
 
 BYTECODE = "compile-cache/python-bytecode"
+CUDA_JIT = "compile-cache/cuda-jit"
 
 
-def bytecode_env(torchrun_args: list[str], probe: str = "torch") -> dict[str, str]:
-    """Where the installation carries no bytecode for torch (an image built with ``pip
-    --no-compile`` whose site-packages the job cannot write, PYTHONDONTWRITEBYTECODE=1), every
-    process of every start compiles torch's Python sources again: 8 s of a warm restart's worker on
-    an H200 node, 2 s of torchrun's. Then torchrun and the workers keep their bytecode in
-    ``<checkpoint.dir>/compile-cache/python-bytecode`` (PYTHONPYCACHEPREFIX), beside the compile
-    caches (model.compile_cache), and a restart on any node reads it back. An installation with
-    bytecode, or a prefix the caller set, is left alone."""
-    import importlib.util
-
-    if os.environ.get("PYTHONPYCACHEPREFIX"):
-        return {}
-    spec = importlib.util.find_spec(probe)
-    if spec is None or not spec.origin or os.path.exists(importlib.util.cache_from_source(spec.origin)):
-        return {}
+def _training_config(torchrun_args: list[str]) -> Any:
+    """The config of ``-m trainer train ...`` in torchrun's arguments, or None (another module, or
+    bad input that the workers will report in their own words)."""
     try:
         i = next(i for i in range(len(torchrun_args) - 2) if torchrun_args[i:i + 3] == ["-m", "trainer", "train"])
         rest = torchrun_args[i + 3:]
@@ -293,12 +283,36 @@ def bytecode_env(torchrun_args: list[str], probe: str = "torch") -> dict[str, st
         overrides = [a for j, a in enumerate(rest) if "=" in a and not a.startswith("-") and (j == 0 or rest[j - 1] not in ("--config", "-c"))]
         from trainer.config import load_config
 
-        cfg = load_config(config_file, overrides)
-    except Exception:  # noqa: BLE001 - not a training command, or bad input that the workers will report
+        return load_config(config_file, overrides)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def node_cache_env(torchrun_args: list[str], probe: str = "torch") -> dict[str, str]:
+    """Caches that live on a node, kept on the volume beside the compile caches
+    (model.compile_cache) so that a restart on a fresh node finds them; a variable the caller set
+    is left alone.
+
+    - CUDA_CACHE_PATH (``compile-cache/cuda-jit``): the driver's cache of kernels it compiled from
+      PTX at run time, in ``~/.nv`` otherwise. On an H200 node a warm default.yaml start spent 5 s
+      more in its first forward-backward on a fresh node than on the node that had run it before
+      (15.5 against 10.0 s from the command), and ``~/.nv`` was all its HOME held.
+    - PYTHONPYCACHEPREFIX (``compile-cache/python-bytecode``), only where the installation carries
+      no bytecode for torch (an image built with ``pip --no-compile`` whose site-packages the job
+      cannot write, PYTHONDONTWRITEBYTECODE=1): every process of every start compiled torch's
+      Python sources again, 8 s of a warm worker on an H200 node, 2 s of torchrun's."""
+    import importlib.util
+
+    cfg = _training_config(torchrun_args)
+    if cfg is None or not cfg.model.compile_cache:
         return {}
-    if not cfg.model.compile_cache:
-        return {}
-    return {"PYTHONPYCACHEPREFIX": str((Path(cfg.checkpoint.dir) / BYTECODE).resolve())}
+    root = Path(cfg.checkpoint.dir).resolve()
+    env = {} if os.environ.get("CUDA_CACHE_PATH") else {"CUDA_CACHE_PATH": str(root / CUDA_JIT)}
+    spec = importlib.util.find_spec(probe)
+    bytecode = spec is None or not spec.origin or os.path.exists(importlib.util.cache_from_source(spec.origin))
+    if not (bytecode or os.environ.get("PYTHONPYCACHEPREFIX")):
+        env["PYTHONPYCACHEPREFIX"] = str(root / BYTECODE)
+    return env
 
 
 def _watch(proc: subprocess.Popen, exit_dir: Path, watch: LostRendezvous, limit: slurm.TimeLimit | None, poll_s: float) -> tuple[int, bool]:
@@ -369,7 +383,7 @@ def supervise(torchrun_args: list[str], poll_s: float = 0.5) -> int:
     exit_dir = Path(tempfile.mkdtemp(prefix="trainer-exit-"))
     # torchrun's restarts would reuse the c10d rendezvous store, whose stale keys from the failed
     # attempt make the new group connect to dead ranks (pytorch issue 167288): a fresh store each time
-    env = {SHARED_STORE_ENV: "1", **os.environ, EXIT_DIR_ENV: str(exit_dir), **bytecode_env(torchrun_args)}
+    env = {SHARED_STORE_ENV: "1", **os.environ, EXIT_DIR_ENV: str(exit_dir), **node_cache_env(torchrun_args)}
     if "PYTHONPYCACHEPREFIX" in env:
         env.pop("PYTHONDONTWRITEBYTECODE", None)  # written under the prefix, on the volume, only
     torchrun_args = with_long_store_reads(torchrun_args)

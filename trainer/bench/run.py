@@ -143,10 +143,13 @@ SHIPPED_CONFIGS = ("configs/default.yaml", "configs/fast.yaml", "configs/seed.ya
 NODE_CACHES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "CUDA_CACHE_PATH", "XDG_CACHE_HOME", COMMAND_START_ENV)
 
 
-def restart(out: Path, tmp: Path, gpus: int, config: str, data: str, steps: int = 2) -> None:
+def restart_pair(tmp: Path, gpus: int, config: str, data: str, logs: Path | None = None, steps: int = 2,
+                 node_env: dict[str, dict[str, str]] | None = None) -> tuple[dict, dict]:
     """A start as a user feels it, from the `trainer launch` command to the first training step:
     cold (a fresh node: empty HOME and TMPDIR, so no inductor, Triton or CUDA caches; an empty
-    volume), then warm (another fresh node, the same volume: the checkpoint and the compile cache)."""
+    volume), then warm (another fresh node, the same volume: the checkpoint and the compile cache).
+    Returns (cold, warm): each its exit code and, when it trained, the `first_step` record's figures.
+    ``node_env`` adds variables to the "cold" or "warm" start (TORCH_TRACE, say)."""
     name = "restart-" + Path(config).stem
     volume = tmp / name
 
@@ -154,30 +157,41 @@ def restart(out: Path, tmp: Path, gpus: int, config: str, data: str, steps: int 
         home = tmp / f"{name}-{node}-home"
         (home / "tmp").mkdir(parents=True)
         env = {k: v for k, v in os.environ.items() if k not in NODE_CACHES}
-        env.update(HOME=str(home), TMPDIR=str(home / "tmp"), BENCH_OUT=str(out / "results.jsonl"))
+        env.update(HOME=str(home), TMPDIR=str(home / "tmp"), **(node_env or {}).get(node, {}))
         cmd = [sys.executable, "-m", "trainer", "launch", "--nproc-per-node", str(gpus), "--config", config, "data.name=imagefolder",
                f"data.dir={data}", f"data.cache_dir={volume / 'data-cache'}", f"checkpoint.dir={volume / 'ck'}", f"train.max_steps={max_steps}",
                "train.plot=false", "checkpoint.every_steps=1"]
         t0 = time.time()
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-        (out / "logs").mkdir(exist_ok=True)
-        (out / "logs" / f"{name}-{node}.log").write_text(p.stdout + p.stderr)
-        rows = [json.loads(x) for x in (volume / "ck" / "metrics.jsonl").read_text().splitlines()] if (volume / "ck" / "metrics.jsonl").exists() else []
-        first = [r for r in rows if r.get("event") == "first_step"]
+        if logs is not None:
+            logs.mkdir(parents=True, exist_ok=True)
+            (logs / f"{name}-{node}.log").write_text(p.stdout + p.stderr)
+        metrics = volume / "ck" / "metrics.jsonl"
+        first = [r for r in map(json.loads, metrics.read_text().splitlines()) if r.get("event") == "first_step"] if metrics.exists() else []
         if p.returncode or not first:
-            print(f"   {name} {node}: exit {p.returncode}\n   " + "\n   ".join((p.stdout + p.stderr).strip().splitlines()[-6:]), flush=True)
-            return {"exit": p.returncode}
+            return {"exit": p.returncode, "output": "\n".join((p.stdout + p.stderr).strip().splitlines()[-30:])}
         f = first[-1]
         return {"exit": 0, "command_to_first_step_s": f.get("since_command_s") or round(f["time"] - t0, 3), "worker_first_step_s": f["seconds"],
                 "compile_cache": f.get("compile_cache"), "startup_s": f.get("startup_s"), "compile_s": f.get("compile_s"), "wall_s": round(time.time() - t0, 1)}
 
-    cold = start("cold", steps)
-    warm = start("warm", steps + 2) if cold["exit"] == 0 else {"exit": None}
+    try:
+        cold = start("cold", steps)
+        return cold, (start("warm", steps + 2) if cold["exit"] == 0 else {"exit": None})
+    finally:
+        shutil.rmtree(volume, ignore_errors=True)
+
+
+def restart(out: Path, tmp: Path, gpus: int, config: str, data: str) -> None:
+    """One row of the restart suite: cold and warm starts of ``config`` and their ratio."""
+    name = "restart-" + Path(config).stem
+    cold, warm = restart_pair(tmp, gpus, config, data, logs=out / "logs")
+    for node, r in (("cold", cold), ("warm", warm)):
+        if r.get("output"):
+            print(f"   {name} {node}: exit {r['exit']}\n   " + "\n   ".join(r.pop("output").splitlines()[-6:]), flush=True)
     ratio = round(warm["command_to_first_step_s"] / cold["command_to_first_step_s"], 3) if warm.get("exit") == 0 else None
     append(out, {"run": name, "gpus": gpus, "config": config, "cold": cold, "warm": warm, "warm_over_cold": ratio})
     print(f"[{time.strftime('%H:%M:%S')}] {name}: cold {cold.get('command_to_first_step_s')} s, warm {warm.get('command_to_first_step_s')} s, "
           f"ratio {ratio}", flush=True)
-    shutil.rmtree(volume, ignore_errors=True)
 
 
 def suites(args, out: Path, tmp: Path, gpus: int) -> None:
