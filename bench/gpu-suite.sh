@@ -25,4 +25,4 @@ case ${1:-start} in
     ;;
 esac
 if [ -n "${OUT:-}" ] && [ -d "$LOG" ]; then cp "$LOG"/* "$OUT"/ 2>/dev/null; fi
-^grep -E "PASSED|FAILED|ERROR|GPU-REPORT|passed|failed" "$LOG/pytest.log" 2>/dev/null | tail -40
+grep -E "PASSED|FAILED|ERROR|GPU-REPORT|passed|failed" "$LOG/pytest.log" 2>/dev/null | tail -40

@@ -132,6 +132,7 @@ def test_a_restart_on_a_fresh_node_compiles_nothing_and_a_damaged_cache_is_rebui
     warm = first_step(ckpt)
     assert p.returncode == 0 and warm["compile_cache"].startswith("warm (") and f"compile cache {d.name}: warm" in p.stdout, p.stdout[-2000:]
     assert "fx_codegen_and_compile" not in warm["compile_s"]  # every graph came from the volume
+    assert cold["graph_cache"]["inductor_miss"] > 0 and warm["graph_cache"]["inductor_miss"] == 0 and warm["graph_cache"]["aot_autograd_hit"] > 0
 
     entry = max((f for f in d.rglob("*") if f.is_file() and f.name != compile_cache.MANIFEST), key=lambda f: f.stat().st_size)
     entry.write_bytes(entry.read_bytes()[: entry.stat().st_size // 2])  # a torn file on the volume

@@ -114,7 +114,8 @@ class Trainer:
             r.say.line(f"compile cache {r.compile_key}: {r.compile_cache}" + (f"; sealed {cache_bytes / 2**20:.1f} MiB for restarts" if cache_bytes else ""))
         r.metrics.write({"event": "first_step", "seconds": round(self.first_step_s, 3), "since_command_s": since, "compiled": r.fast.compile,
                      "compile_cache": r.compile_cache, "compile_cache_bytes": cache_bytes,
-                     "startup_s": clock.phases, "compile_s": clock.compile_seconds() if r.fast.compile else {}})
+                     "startup_s": clock.phases, "compile_s": clock.compile_seconds() if r.fast.compile else {},
+                     "graph_cache": clock.graph_cache_counts() if r.fast.compile else {}})
 
     def done_steps(self) -> bool:
         return 0 < self.cfg.train.max_steps <= self.state.step

@@ -53,6 +53,20 @@ class Startup:
         sums = {k: round(sum(v), 3) for k, v in compilation_time_metrics.items() if v}
         return dict(sorted(sums.items(), key=lambda kv: -kv[1])[:top])
 
+    @staticmethod
+    def graph_cache_counts() -> dict[str, int]:
+        """Compiled graphs found in and missing from the caches so far: inductor's (its generated
+        code: a miss means inductor compiled that graph) and AOTAutograd's (which torch bypasses
+        for the subgraphs of a DDP graph split at buckets: those are traced again, their inductor
+        code still comes from the cache). The timer names in compile_seconds cannot tell these
+        apart: fx_codegen_and_compile also times a cache hit behind a bypassed AOTAutograd."""
+        from torch._dynamo.utils import counters
+
+        ind, aot = counters["inductor"], counters["aot_autograd"]
+        return {"inductor_hit": ind["fxgraph_cache_hit"], "inductor_miss": ind["fxgraph_cache_miss"],
+                "aot_autograd_hit": aot["autograd_cache_hit"], "aot_autograd_miss": aot["autograd_cache_miss"],
+                "aot_autograd_bypass": aot["autograd_cache_bypass"]}
+
 
 class StepTimer:
     """GPU time of the input pipeline and of whole steps, from CUDA events (no sync until read);

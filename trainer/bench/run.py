@@ -172,7 +172,7 @@ def restart_pair(tmp: Path, gpus: int, config: str, data: str, logs: Path | None
             return {"exit": p.returncode, "output": "\n".join((p.stdout + p.stderr).strip().splitlines()[-30:])}
         f = first[-1]
         return {"exit": 0, "command_to_first_step_s": f.get("since_command_s") or round(f["time"] - t0, 3), "worker_first_step_s": f["seconds"],
-                "compile_cache": f.get("compile_cache"), "startup_s": f.get("startup_s"), "compile_s": f.get("compile_s"), "wall_s": round(time.time() - t0, 1)}
+                "compile_cache": f.get("compile_cache"), "startup_s": f.get("startup_s"), "compile_s": f.get("compile_s"), "graph_cache": f.get("graph_cache"), "wall_s": round(time.time() - t0, 1)}
 
     try:
         cold = start("cold", steps)
