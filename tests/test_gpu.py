@@ -136,10 +136,15 @@ def final_acc(ckpt: Path) -> float:
     return events(ckpt, "epoch")[-1]["test_acc"]
 
 
-def recovery_s(ckpt: Path, since: float) -> float:
-    after = [r["time"] for r in events(ckpt, "first_step") if r["time"] > since]
+def first_step_after(ckpt: Path, since: float) -> dict:
+    """The first_step record of the first start after ``since`` (its phases, its compile caches)."""
+    after = [r for r in events(ckpt, "first_step") if r["time"] > since]
     assert after, "no training step after the fault"
-    return round(after[0] - since, 1)
+    return after[0]
+
+
+def recovery_s(ckpt: Path, since: float) -> float:
+    return round(first_step_after(ckpt, since)["time"] - since, 1)
 
 
 @two_gpus
@@ -164,17 +169,21 @@ def reference(tmp_path_factory) -> float:
 MID_EPOCH_2 = f"epoch 2/{EPOCHS} step 53/97"  # global step 150 (97 steps an epoch at batch 512)
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+# compiled twice: its recovery (target 10 s) varied by seconds between runs of one suite
+@pytest.mark.parametrize("compiled", [False, True, True], ids=["eager", "compiled", "compiled-again"])
 def test_kill_9_of_one_rank_restarts_the_group_and_finishes(tmp_path, reference, compiled):
     ckpt = tmp_path / "ck"
     agent = launch(ckpt, f"model.compile={str(compiled).lower()}")
     out, killed_at = follow(agent, MID_EPOCH_2, lambda: worker(agent, NPROC - 1).send_signal(signal.SIGKILL))
     assert killed_at and agent.returncode == 0, out[-3000:]
     assert "resuming from" in out and "fused_sgd" not in out, out[-3000:]
-    acc, rec = final_acc(ckpt), recovery_s(ckpt, killed_at)
+    acc, restart = final_acc(ckpt), first_step_after(ckpt, killed_at)
     report(f"kill -9 of rank {NPROC - 1} of {NPROC} mid-epoch 2, compile {'on' if compiled else 'off'}", result="finished", exit=agent.returncode,
-           recovery_s=rec, test_acc=acc, reference_acc=reference)
+           recovery_s=round(restart["time"] - killed_at, 1), worker_first_step_s=restart["seconds"], startup_s=restart["startup_s"],
+           graph_cache=restart["graph_cache"], test_acc=acc, reference_acc=reference)
     assert abs(acc - reference) <= ACC_NOISE
+    if compiled:  # the restarted worker found every graph's code in the compile cache
+        assert restart["graph_cache"]["inductor_miss"] == 0, restart["graph_cache"]
 
 
 def test_sigterm_gives_75_and_a_relaunch_finishes(tmp_path, reference):
@@ -277,7 +286,10 @@ def test_a_restart_on_a_fresh_node_finds_its_checkpoint_and_compile_cache(tmp_pa
 
         shutil.make_archive(str(trace), "gztar", trace)  # what dynamo and inductor did, for a recompile's cause
     assert cold["compile_cache"] == "none" and cold["graph_cache"]["inductor_miss"] > 0
-    # inductor compiled nothing: every graph's code came from the volume (seed.yaml's subgraphs,
-    # split at DDP's buckets, are traced again by AOTAutograd, whose cache torch bypasses for them)
+    # inductor compiled nothing: every graph's code came from the volume
     assert warm["compile_cache"].startswith("warm (") and warm["graph_cache"]["inductor_miss"] == 0, warm["graph_cache"]
     assert warm["graph_cache"]["inductor_hit"] + warm["graph_cache"]["aot_autograd_hit"] > 0
+    # and AOTAutograd traced nothing again: torch bypasses its cache only for the subgraphs of a
+    # DDP graph split at buckets, which seed.yaml's does on several GPUs and no config on one
+    if NPROC == 1 or "seed" not in config:
+        assert warm["graph_cache"]["aot_autograd_bypass"] == 0, warm["graph_cache"]

@@ -37,12 +37,14 @@ def test_ddp_settings_reach_the_wrapper(tmp_path):
 
 def test_compiled_ddp_splits_its_graph_only_for_large_gradients():
     """dist.split_graph_at_buckets=auto: seednet's 2.4 GB of gradients are all-reduced bucket by
-    bucket while backward runs; ResNet-18's 45 MB (under SPLIT_BUCKETS buckets) after one graph."""
+    bucket while backward runs; ResNet-18's 45 MB (under SPLIT_BUCKETS buckets) after one graph,
+    and so is everything in one process, which has no all-reduce to hide."""
     with torch.device("meta"):  # sizes only, no memory
-        assert parallel.split_at_buckets(models.build("seednet"), None, 25)
-        assert not parallel.split_at_buckets(models.build("resnet18"), None, 25)
-        assert parallel.split_at_buckets(models.build("resnet18"), None, 1)  # 45 MB is many 1 MB buckets
-        assert parallel.split_at_buckets(models.build("tinynet"), True, 25) and not parallel.split_at_buckets(models.build("seednet"), False, 25)
+        assert parallel.split_at_buckets(models.build("seednet"), None, 25, world_size=2)
+        assert not parallel.split_at_buckets(models.build("resnet18"), None, 25, world_size=2)
+        assert parallel.split_at_buckets(models.build("resnet18"), None, 1, world_size=2)  # 45 MB is many 1 MB buckets
+        assert not parallel.split_at_buckets(models.build("seednet"), None, 25, world_size=1)  # one process: nothing to overlap
+        assert parallel.split_at_buckets(models.build("tinynet"), True, 25, world_size=1) and not parallel.split_at_buckets(models.build("seednet"), False, 25, world_size=2)
 
 
 def test_linear_layers_gather_factors_only_where_that_sends_fewer_values():

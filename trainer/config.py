@@ -200,7 +200,8 @@ class DistConfig:
     all-reduced while backward runs (true), or compile one graph and all-reduce after it (false:
     fewer graph launches per step, for small models whose step is bound by launch overhead).
     auto: split when the gradients fill more than SPLIT_BUCKETS buckets (seednet's 2.4 GB), not for
-    ResNet-18's 45 MB, whose all-reduce takes a fraction of a millisecond after backward."""
+    ResNet-18's 45 MB, whose all-reduce takes a fraction of a millisecond after backward, and not
+    for one process (nothing to overlap)."""
     gather_linear_factors: bool | None = None
     """ddp: a Linear layer's weight gradient is a sum over the batch of (output gradient) x (input)
     products, so every rank can all-gather the layer's inputs and output gradients ((in + out) x

@@ -41,6 +41,12 @@ class Runtime:
         return self.backend is not None
 
     @property
+    def collectives(self) -> bool:
+        """Other ranks to agree with. A process group of one (a one-GPU `trainer launch`) skips
+        the agreements, whose NCCL collectives would only move the process's own data."""
+        return self.distributed and self.world_size > 1
+
+    @property
     def cuda(self) -> bool:
         return self.device.type == "cuda"
 
@@ -124,7 +130,7 @@ def teardown() -> None:
 
 
 def barrier(rt: Runtime) -> None:
-    if rt.distributed:
+    if rt.collectives:
         if rt.backend == "nccl":
             dist.barrier(device_ids=[rt.device.index])
         else:
@@ -133,7 +139,7 @@ def barrier(rt: Runtime) -> None:
 
 def broadcast(rt: Runtime, obj: Any) -> Any:
     """Rank 0's ``obj`` on every rank (pickled through the store; small objects only)."""
-    if not rt.distributed:
+    if not rt.collectives:
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=0, device=rt.device if rt.backend == "nccl" else None)
@@ -141,14 +147,14 @@ def broadcast(rt: Runtime, obj: Any) -> Any:
 
 
 def all_reduce_sum(rt: Runtime, t: torch.Tensor) -> torch.Tensor:
-    if rt.distributed:
+    if rt.collectives:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
 
 
 def agree(rt: Runtime, error: BaseException | None) -> None:
     """Raise on every rank if any rank failed (the first rank's message), else return."""
-    if not rt.distributed:
+    if not rt.collectives:
         if error is not None:
             raise error
         return

@@ -66,7 +66,7 @@ def wrap(model: nn.Module, criterion: nn.Module, cfg: Config, rt: Runtime, compi
         # all-reduced while backward still runs (dist.split_graph_at_buckets). One graph instead
         # means every gradient arrives (and is sent) only at the end of backward, but half the
         # graph launches: the better trade for a small model whose step is launch-bound.
-        torch._dynamo.config.optimize_ddp = split_at_buckets(model, d.split_graph_at_buckets, d.bucket_mb)
+        torch._dynamo.config.optimize_ddp = split_at_buckets(model, d.split_graph_at_buckets, d.bucket_mb, rt.world_size)
         return torch.compile(net, mode=mode) if compile_model else net
     return torch.compile(net, mode=mode) if compile_model else net
 
@@ -139,11 +139,15 @@ _outside_graphs = False  # GatheredFactorsLinear.forward is wrapped in torch.com
 SPLIT_BUCKETS = 4
 
 
-def split_at_buckets(model: nn.Module, setting: bool | None, bucket_mb: int) -> bool:
+def split_at_buckets(model: nn.Module, setting: bool | None, bucket_mb: int, world_size: int) -> bool:
     """dist.split_graph_at_buckets resolved: auto splits when the gradients fill more than
-    SPLIT_BUCKETS buckets, where hiding their all-reduce behind backward is worth the extra graphs."""
+    SPLIT_BUCKETS buckets, where hiding their all-reduce behind backward is worth the extra graphs,
+    and never for one process: it has nothing to hide, and torch caches no AOTAutograd result for
+    split subgraphs, so every restart traced them again (1.2 s of seed.yaml's on one GPU)."""
     if setting is not None:
         return setting
+    if world_size == 1:
+        return False
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     return grad_bytes > SPLIT_BUCKETS * bucket_mb * 2**20
 
@@ -169,7 +173,7 @@ def sync_buffers(model: nn.Module, rt: Runtime) -> None:
     """DDP copies rank 0's buffers to the others *before* each forward (unless
     dist.broadcast_buffers=false, and then they drift apart all along), so after the last step each
     rank holds batch-norm statistics of its own last batch. Evaluate (and save) rank 0's."""
-    if rt.strategy == "ddp":
+    if rt.strategy == "ddp" and rt.collectives:
         import torch.distributed as dist
 
         for b in unwrap(model).buffers():

@@ -68,14 +68,14 @@ class StopFlag:
 
     def __init__(self, rt: Runtime, lag: int = 2):
         self.rt, self.signal_name = rt, None
-        self.lag = lag if rt.cuda and rt.distributed else 0
+        self.lag = lag if rt.cuda and rt.collectives else 0
         self._pending: deque = deque()
         for sig in STOP_SIGNALS:
             try:
                 signal.signal(sig, self._on_signal)
             except ValueError:  # not the main thread (e.g. inside a test harness thread)
                 pass
-        if rt.distributed:
+        if rt.collectives:
             self._flag = torch.zeros(1, dtype=torch.int32, device=rt.device)
         if self.lag:  # a ring of pinned results and their events, reused every lag+1 steps
             self._ring = [(torch.zeros(1, dtype=torch.int32, pin_memory=True), torch.cuda.Event()) for _ in range(lag + 1)]
@@ -96,7 +96,7 @@ class StopFlag:
     def poll(self) -> bool:
         """Call once per step on every rank: True on all ranks at the same step once any rank
         has been signalled."""
-        if not self.rt.distributed:
+        if not self.rt.collectives:
             return self.raised
         self._flag.fill_(1 if self.raised else 0)
         dist.all_reduce(self._flag, op=dist.ReduceOp.MAX)
