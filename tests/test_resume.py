@@ -90,6 +90,27 @@ def test_resume_is_exact_one_process(tmp_path, case):
     check_resume(tmp_path, FAST[case])
 
 
+@pytest.mark.parametrize("saved, now", [("0.9", "0"), ("0", "0.9")], ids=["momentum-switched-off", "momentum-switched-on"])
+def test_a_resume_with_other_optim_settings_runs_with_them(tmp_path, saved, now):
+    """The checkpoint's optimizer state under this run's settings: momentum buffers dropped when
+    momentum is now 0 (torch's loader failed on them), started when it is now on; the weight decay
+    given now applies too, and the learning rate stays the schedule's."""
+    from conftest import trainer_cmd
+
+    ck, no_nesterov = tmp_path / "ck", "optim.nesterov=false"
+    common = [*TINY, "train.epochs=2", "checkpoint.every_steps=4", "checkpoint.async_save=false", no_nesterov, f"checkpoint.dir={ck}"]
+    run(trainer_cmd("train", *common, "train.max_steps=8", f"optim.momentum={saved}"))
+    p = run(trainer_cmd("train", *common, "train.max_steps=12", f"optim.momentum={now}", "optim.weight_decay=0.001"))
+    assert "resuming from" in p.stdout and "step-8" in p.stdout, p.stdout[-2000:]
+    before = torch.load(ck / "step-8" / "state.pt", weights_only=True)["optimizer"]
+    after = torch.load(ck / "step-12" / "state.pt", weights_only=True)["optimizer"]
+    assert {g["momentum"] for g in before["param_groups"]} == {float(saved)}
+    assert {g["momentum"] for g in after["param_groups"]} == {float(now)}
+    assert {g["weight_decay"] for g in after["param_groups"] if g["weight_decay"]} == {0.001}
+    buffers = [k for st in after["state"].values() for k, v in st.items() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    assert bool(buffers) == (now != "0"), buffers
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", SLOW)
 def test_resume_is_exact_one_process_more(tmp_path, case):

@@ -517,22 +517,30 @@ class OptimizerPart:
         return get_optimizer_state_dict(self.model, self.optimizer, options=_full())
 
     def load_state_dict(self, state: dict) -> None:
+        """The checkpoint's state per parameter, under this run's settings: a resume with other
+        optim settings (momentum switched off or on, another weight decay) runs with the new ones,
+        as a part switched on later (Lookahead) starts afresh. The learning rate stays the
+        schedule's."""
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-        if not any(isinstance(v, torch.Tensor) for per_param in state["state"].values() for v in per_param.values()):
-            # Nothing per parameter (SGD without momentum, as seed.yaml): torch's loader learns the
-            # device from tensors and fails without any ("Expected device to be set"); the groups'
-            # settings are all there is to restore.
-            if len(state["param_groups"]) != len(self.optimizer.param_groups):
-                raise CheckpointError(f"the checkpoint's optimizer has {len(state['param_groups'])} parameter groups, this run's "
-                                      f"{len(self.optimizer.param_groups)}; resume with the optim settings it was saved with")
+        if len(state["param_groups"]) != len(self.optimizer.param_groups):
+            raise CheckpointError(f"the checkpoint's optimizer has {len(state['param_groups'])} parameter groups, this run's "
+                                  f"{len(self.optimizer.param_groups)}; resume with the optim settings it was saved with")
+        settings = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")} for g in self.optimizer.param_groups]
+        stateless = isinstance(self.optimizer, torch.optim.SGD) and not any(g["momentum"] for g in self.optimizer.param_groups)
+        if stateless or not any(isinstance(v, torch.Tensor) for per_param in state["state"].values() for v in per_param.values()):
+            # Nothing per parameter to restore (SGD without momentum, as seed.yaml, now or when
+            # saved): torch's loader learns the device from state tensors and fails without any
+            # ("Expected device to be set"); the groups' settings are all there is.
             for group, saved in zip(self.optimizer.param_groups, state["param_groups"], strict=True):
                 group.update({k: v for k, v in saved.items() if k != "params"})
-            return
-        # not strict: parameters with no state of their own (bf16 weights: their masters' momentum
-        # is the masters' part) or none yet (a momentum-free group) are legitimate
-        set_optimizer_state_dict(self.model, self.optimizer, state, options=_full(strict=False))
-        self._match_parameters()
+        else:
+            # not strict: parameters with no state of their own (bf16 weights: their masters' momentum
+            # is the masters' part) or none yet (a momentum-free group) are legitimate
+            set_optimizer_state_dict(self.model, self.optimizer, state, options=_full(strict=False))
+            self._match_parameters()
+        for group, own in zip(self.optimizer.param_groups, settings, strict=True):
+            group.update(own)
 
     @torch.no_grad()
     def _match_parameters(self) -> None:
