@@ -169,7 +169,7 @@ def reference(tmp_path_factory) -> float:
 MID_EPOCH_2 = f"epoch 2/{EPOCHS} step 53/97"  # global step 150 (97 steps an epoch at batch 512)
 
 
-# compiled twice: its recovery (target 10 s) varied by seconds between runs of one suite
+# compiled twice: its recovery (target 10 s) has varied by seconds from one suite run to the next
 @pytest.mark.parametrize("compiled", [False, True, True], ids=["eager", "compiled", "compiled-again"])
 def test_kill_9_of_one_rank_restarts_the_group_and_finishes(tmp_path, reference, compiled):
     ckpt = tmp_path / "ck"
