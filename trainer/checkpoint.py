@@ -531,7 +531,8 @@ class OptimizerPart:
         if stateless or not any(isinstance(v, torch.Tensor) for per_param in state["state"].values() for v in per_param.values()):
             # Nothing per parameter to restore (SGD without momentum, as seed.yaml, now or when
             # saved): torch's loader learns the device from state tensors and fails without any
-            # ("Expected device to be set"); the groups' settings are all there is.
+            # ("Expected device to be set"). The saved groups give the schedule's learning rate;
+            # the rest of their settings are this run's again just below.
             for group, saved in zip(self.optimizer.param_groups, state["param_groups"], strict=True):
                 group.update({k: v for k, v in saved.items() if k != "params"})
         else:

@@ -47,7 +47,7 @@ def wrap(model: nn.Module, criterion: nn.Module, cfg: Config, rt: Runtime, compi
     if rt.strategy == "ddp":
         d = cfg.dist
         ddp = nn.parallel.DistributedDataParallel
-        if d.gather_linear_factors is not False and rt.world_size > 1:
+        if d.gather_linear_factors is not False and rt.collectives:
             gathered = gather_linear_factors(model, cfg.train.batch_size, rt.world_size, force=bool(d.gather_linear_factors))
             # DDP leaves these weights alone: their gradients arrive already summed over the ranks
             ddp._set_params_and_buffers_to_ignore_for_model(net, [f"model.{n}.{k}" for n in gathered for k in ("weight", "bias")])
