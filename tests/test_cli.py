@@ -26,6 +26,7 @@ print("torch imported:", "torch" in sys.modules, "exit:", code)
     (["launch", "--config", "configs/nope.yaml"], 2),
     (["check", "train.epochs=many"], 2),
     (["data", "data.name=mnist"], 2),
+    (["bench", "--suite", "seednet,nccl"], 2),
 ])
 def test_help_and_usage_errors_do_not_import_torch(args, code):
     """torch takes seconds to import; `trainer --help`, `trainer config` and usage errors need none of it."""

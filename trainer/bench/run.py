@@ -6,19 +6,20 @@ table is printed and ``OUT/results.json`` and ``OUT/bench.png`` are written.
     trainer bench                                  # everything, on all visible GPUs
     trainer bench --suite article,seednet          # some suites
     trainer bench --suite recipes --data ../shared/data
-Suites: micro (bf16 matmul ceiling, all-reduce bandwidth), article (one GPU, DataParallel, DDP),
-ablation (the speed recipe's switches one at a time), seeds (the recipe on more seeds, --seeds), nccl
-(DDP at batch 64 with 2, 4 and 8 NCCL channels), seednet-ablation (seednet's fast path with one part off
-at a time), resnet18-compile (compiled against eager on the same data; a profile across an epoch
-boundary), resnet18-cudagraphs (compiled with and without CUDA graphs), recipe-ddp (profiles of the recipe on one and two GPUs; DDP options one at a time), epochs11 (the
-recipe with an eleventh epoch, on --seeds),
-trace (DDP variants: step time and how much of the all-reduce overlaps compute),
-seednet (our trainer: batch 64 and 256 per GPU, DDP and FSDP, the fast path on and off), stall
-(async against sync checkpoint), recipes (the speed recipe on real data), resnet18 (the
-default recipe on real data, all GPUs), resnet18-scaling (the default recipe on one GPU, then on all),
-restart (command -> first step, cold on a fresh node then warm from the volume, every shipped config),
-seednet-weights (bf16 working weights, gradients all-reduced against the first Linear's from gathered factors, beside the
-article's DDP; batch 1024; --more: one GPU, fp32 weights, without CUDA graphs), resnet18-ddp-diagnosis (one GPU at two GPUs' per-GPU batch; a profile of two).
+Suites:
+    restart           command -> first step, cold on a fresh node, then warm from the volume (--configs)
+    micro             bf16 matmul ceiling, all-reduce bandwidth
+    article           the article's loop: one GPU, DataParallel, DDP
+    seednet           our trainer on seednet, batch 64 to 512, one GPU, DDP and FSDP, the fast path off
+    seednet-ablation  seednet's fast path with one part off at a time (one GPU, batch 64)
+    seednet-weights   bf16 working weights under DDP, each way of moving gradients, beside the article's DDP
+    stall             asynchronous against synchronous checkpoint
+    recipes           the speed recipe (configs/fast.yaml) on real data
+    ablation          the speed recipe with one switch off at a time
+    seeds             the speed recipe on more seeds (--seeds)
+    resnet18          the default recipe on real data, all GPUs; resnet18-scaling: one GPU, then all
+Diagnoses that answered their question (DDP overlap traces, NCCL channels, profiles) are in git
+history beside their figures in bench/results.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.supervisor import COMMAND_START_ENV
@@ -85,60 +87,6 @@ def run_case(name: str, cmd: list[str], out: Path, timeout: int, env: dict | Non
     return code, text
 
 
-def append(out: Path, record: dict) -> None:
-    with open(out / "results.jsonl", "a") as fh:
-        fh.write(json.dumps(record) + "\n")
-
-
-def ours(out: Path, tmp: Path, name: str, gpus: int, batch_per_gpu: int, extra: list[str], steps: int = 60, config: str = "configs/seed.yaml",
-         env: dict | None = None) -> None:
-    """Our trainer on synthetic data; steady images/s from the log windows after the first."""
-    ck = tmp / name
-    args = ["train", "--config", config, "data.name=synthetic", f"data.synthetic_train_size={max(4096, batch_per_gpu * gpus * (steps + 2))}",
-            "data.synthetic_test_size=1000", f"train.batch_size={batch_per_gpu * gpus}", f"train.max_steps={steps}", "train.log_every=10",
-            f"checkpoint.dir={ck}", "checkpoint.every_epochs=0", "train.plot=false", "train.epochs=1", *extra]
-    code, _ = run_case(name, cmd_for(gpus, "trainer", args), out, timeout=240, env=env)
-    rows = [json.loads(line) for line in (ck / "metrics.jsonl").read_text().splitlines()] if (ck / "metrics.jsonl").exists() else []
-    shutil.rmtree(ck, ignore_errors=True)  # 2.4 GB checkpoints in /dev/shm
-    windows = [r["images_per_s"] for r in rows if r.get("event") == "log"][1:]
-    first = next((r["seconds"] for r in rows if r.get("event") == "first_step"), None)
-    append(out, {"run": name, "gpus": gpus, "batch_per_gpu": batch_per_gpu, "exit": code, "first_step_s": first,
-                 "images_per_s": statistics.median(windows) if windows else None, "windows": windows, "overrides": extra, "env": env or {}})
-
-
-def recipe(out: Path, tmp: Path, name: str, gpus: int, config: str, data: str, extra: list[str], target: float = 0.906) -> None:
-    """Time to accuracy on real data: training seconds (compile and evaluation excluded)."""
-    ck = tmp / name
-    cache = os.environ.get("BENCH_CACHE") or tmp / "cache"  # a shared decode cache for benches run side by side
-    args = ["train", "--config", config, "data.name=imagefolder", f"data.dir={data}", f"data.cache_dir={cache}",
-            f"checkpoint.dir={ck}", "train.plot=false", *extra]
-    code, _ = run_case(name, cmd_for(gpus, "trainer", args), out, timeout=900)
-    rows = [json.loads(line) for line in (ck / "metrics.jsonl").read_text().splitlines()] if (ck / "metrics.jsonl").exists() else []
-    if rows:
-        shutil.copy(ck / "metrics.jsonl", out / "logs" / f"{name}.metrics.jsonl")
-    for f in ck.glob("profile-rank*"):  # profile.steps > 0 in extra
-        shutil.copy(f, out / "logs" / f"{name}.{f.name}")
-    shutil.rmtree(ck, ignore_errors=True)
-    epochs = [r for r in rows if r.get("event") == "epoch"]
-    elapsed, reached = 0.0, None
-    for r in epochs:
-        elapsed += r["train_seconds"]
-        if reached is None and r.get("test_acc") is not None and r["test_acc"] >= target:
-            reached = elapsed
-    timed = [r for r in epochs if r.get("step_ms_per_step")]
-    data_ms = sum(r["data_ms_per_step"] * r["steps"] for r in timed)
-    step_ms = sum(r["step_ms_per_step"] * r["steps"] for r in timed)
-    profiles = [{k: v for k, v in r.items() if k != "time"} for r in rows if r.get("event") == "profile"]
-    append(out, {"run": name, "gpus": gpus, "exit": code, "overrides": extra, "epochs": len(epochs), "train_seconds": round(elapsed, 3),
-                 "profile": profiles[0] if profiles else None,
-                 "step_ms_per_epoch": [r.get("step_ms_per_step") for r in epochs],
-                 "final_test_acc": epochs[-1]["test_acc"] if epochs else None, "target": target, "seconds_to_target": reached,
-                 "data_share_of_step": data_ms / step_ms if step_ms else None,  # all steps' data time / their step time
-                 "epoch_seconds": [r["train_seconds"] for r in epochs],
-                 "images_per_s": statistics.median([r["images_per_s"] for r in epochs]) if epochs else None,
-                 "first_step_s": next((r["seconds"] for r in rows if r.get("event") == "first_step"), None)})
-
-
 SHIPPED_CONFIGS = ("configs/default.yaml", "configs/fast.yaml", "configs/seed.yaml")
 NODE_CACHES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "CUDA_CACHE_PATH", "XDG_CACHE_HOME", COMMAND_START_ENV)
 
@@ -181,119 +129,163 @@ def restart_pair(tmp: Path, gpus: int, config: str, data: str, logs: Path | None
         shutil.rmtree(volume, ignore_errors=True)
 
 
-def restart(out: Path, tmp: Path, gpus: int, config: str, data: str) -> None:
-    """One row of the restart suite: cold and warm starts of ``config`` and their ratio."""
-    name = "restart-" + Path(config).stem
-    cold, warm = restart_pair(tmp, gpus, config, data, logs=out / "logs")
-    for node, r in (("cold", cold), ("warm", warm)):
-        if r.get("output"):
-            print(f"   {name} {node}: exit {r['exit']}\n   " + "\n   ".join(r.pop("output").splitlines()[-6:]), flush=True)
-    ratio = round(warm["command_to_first_step_s"] / cold["command_to_first_step_s"], 3) if warm.get("exit") == 0 else None
-    append(out, {"run": name, "gpus": gpus, "config": config, "cold": cold, "warm": warm, "warm_over_cold": ratio})
-    print(f"[{time.strftime('%H:%M:%S')}] {name}: cold {cold.get('command_to_first_step_s')} s, warm {warm.get('command_to_first_step_s')} s, "
-          f"ratio {ratio}", flush=True)
+@dataclass
+class Bench:
+    """What every suite needs: where results go, a scratch folder, the GPUs, the data, the options."""
+
+    out: Path
+    tmp: Path
+    gpus: int
+    data: str
+    args: argparse.Namespace
+
+    def append(self, record: dict) -> None:
+        with open(self.out / "results.jsonl", "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+
+    def ours(self, name: str, gpus: int, batch_per_gpu: int, extra: list[str], steps: int = 60) -> None:
+        """Our trainer on synthetic data; steady images/s from the log windows after the first."""
+        ck = self.tmp / name
+        args = ["train", "--config", "configs/seed.yaml", "data.name=synthetic", f"data.synthetic_train_size={max(4096, batch_per_gpu * gpus * (steps + 2))}",
+                "data.synthetic_test_size=1000", f"train.batch_size={batch_per_gpu * gpus}", f"train.max_steps={steps}", "train.log_every=10",
+                f"checkpoint.dir={ck}", "checkpoint.every_epochs=0", "train.plot=false", "train.epochs=1", *extra]
+        code, _ = run_case(name, cmd_for(gpus, "trainer", args), self.out, timeout=240)
+        rows = [json.loads(line) for line in (ck / "metrics.jsonl").read_text().splitlines()] if (ck / "metrics.jsonl").exists() else []
+        shutil.rmtree(ck, ignore_errors=True)  # 2.4 GB checkpoints in /dev/shm
+        windows = [r["images_per_s"] for r in rows if r.get("event") == "log"][1:]
+        first = next((r["seconds"] for r in rows if r.get("event") == "first_step"), None)
+        self.append({"run": name, "gpus": gpus, "batch_per_gpu": batch_per_gpu, "exit": code, "first_step_s": first,
+                     "images_per_s": statistics.median(windows) if windows else None, "windows": windows, "overrides": extra})
+
+    def recipe(self, name: str, gpus: int, config: str, extra: list[str], target: float = 0.906) -> None:
+        """Time to accuracy on real data: training seconds (compile and evaluation excluded)."""
+        ck = self.tmp / name
+        cache = os.environ.get("BENCH_CACHE") or self.tmp / "cache"  # a shared decode cache for benches run side by side
+        args = ["train", "--config", config, "data.name=imagefolder", f"data.dir={self.data}", f"data.cache_dir={cache}",
+                f"checkpoint.dir={ck}", "train.plot=false", *extra]
+        code, _ = run_case(name, cmd_for(gpus, "trainer", args), self.out, timeout=900)
+        rows = [json.loads(line) for line in (ck / "metrics.jsonl").read_text().splitlines()] if (ck / "metrics.jsonl").exists() else []
+        if rows:
+            shutil.copy(ck / "metrics.jsonl", self.out / "logs" / f"{name}.metrics.jsonl")
+        shutil.rmtree(ck, ignore_errors=True)
+        epochs = [r for r in rows if r.get("event") == "epoch"]
+        elapsed, reached = 0.0, None
+        for r in epochs:
+            elapsed += r["train_seconds"]
+            if reached is None and r.get("test_acc") is not None and r["test_acc"] >= target:
+                reached = elapsed
+        timed = [r for r in epochs if r.get("step_ms_per_step")]
+        data_ms = sum(r["data_ms_per_step"] * r["steps"] for r in timed)
+        step_ms = sum(r["step_ms_per_step"] * r["steps"] for r in timed)
+        self.append({"run": name, "gpus": gpus, "exit": code, "overrides": extra, "epochs": len(epochs), "train_seconds": round(elapsed, 3),
+                     "step_ms_per_epoch": [r.get("step_ms_per_step") for r in epochs],
+                     "final_test_acc": epochs[-1]["test_acc"] if epochs else None, "target": target, "seconds_to_target": reached,
+                     "data_share_of_step": data_ms / step_ms if step_ms else None,  # all steps' data time / their step time
+                     "epoch_seconds": [r["train_seconds"] for r in epochs],
+                     "images_per_s": statistics.median([r["images_per_s"] for r in epochs]) if epochs else None,
+                     "first_step_s": next((r["seconds"] for r in rows if r.get("event") == "first_step"), None)})
+
+    def restart(self, config: str) -> None:
+        """One row of the restart suite: cold and warm starts of ``config`` and their ratio."""
+        name = "restart-" + Path(config).stem
+        cold, warm = restart_pair(self.tmp, self.gpus, config, self.data, logs=self.out / "logs")
+        for node, r in (("cold", cold), ("warm", warm)):
+            if r.get("output"):
+                print(f"   {name} {node}: exit {r['exit']}\n   " + "\n   ".join(r.pop("output").splitlines()[-6:]), flush=True)
+        ratio = round(warm["command_to_first_step_s"] / cold["command_to_first_step_s"], 3) if warm.get("exit") == 0 else None
+        self.append({"run": name, "gpus": self.gpus, "config": config, "cold": cold, "warm": warm, "warm_over_cold": ratio})
+        print(f"[{time.strftime('%H:%M:%S')}] {name}: cold {cold.get('command_to_first_step_s')} s, warm {warm.get('command_to_first_step_s')} s, "
+              f"ratio {ratio}", flush=True)
+
+    def case(self, name: str, gpus: int, module: str, args: list[str], timeout: int = 600, env: dict | None = None) -> None:
+        run_case(name, cmd_for(gpus, module, args), self.out, timeout, env)
 
 
-def suites(args, out: Path, tmp: Path, gpus: int) -> None:
-    chosen = set(args.suite.split(","))
-    data = args.data or "../shared/data"
-    if "restart" in chosen:  # command -> first step, cold and warm, every shipped config
-        for config in args.configs.split(","):
-            restart(out, tmp, gpus, config, data)
-    if "micro" in chosen:
-        run_case("matmul", [sys.executable, "-m", "trainer.bench.micro", "matmul"], out, 300)
-        if gpus > 1:
-            run_case("allreduce", cmd_for(gpus, "trainer.bench.micro", ["allreduce"]), out, 300)
-    if "article" in chosen:
-        run_case("article-single", [sys.executable, "-m", "trainer.bench.article", "--mode", "single"], out, 600)
-        if gpus > 1:
-            run_case("article-dp", [sys.executable, "-m", "trainer.bench.article", "--mode", "dp"], out, 600)
-            run_case("article-ddp", cmd_for(gpus, "trainer.bench.article", ["--mode", "ddp"]), out, 600)
-    if "seednet" in chosen:
+def _restart(b: Bench) -> None:
+    for config in b.args.configs.split(","):
+        b.restart(config)
+
+
+def _micro(b: Bench) -> None:
+    b.case("matmul", 1, "trainer.bench.micro", ["matmul"], 300)
+    if b.gpus > 1:
+        b.case("allreduce", b.gpus, "trainer.bench.micro", ["allreduce"], 300)
+
+
+def _article(b: Bench) -> None:
+    b.case("article-single", 1, "trainer.bench.article", ["--mode", "single"])
+    if b.gpus > 1:
+        b.case("article-dp", 1, "trainer.bench.article", ["--mode", "dp"])
+        b.case("article-ddp", b.gpus, "trainer.bench.article", ["--mode", "ddp"])
+
+
+def _seednet(b: Bench) -> None:
+    b.ours("ours-single-b64-plain", 1, 64, PLAIN)
+    for batch in (64, 256, 512):
+        b.ours(f"ours-single-b{batch}", 1, batch, [], steps=60 if batch < 512 else 40)
+    if b.gpus > 1:
         fsdp = ["train.strategy=fsdp", "dist.reduce_dtype=bf16"]
-        ours(out, tmp, "ours-single-b64-plain", 1, 64, PLAIN)
-        for b in (64, 256, 512):
-            ours(out, tmp, f"ours-single-b{b}", 1, b, [], steps=60 if b < 512 else 40)
-        if gpus > 1:
-            ours(out, tmp, "ours-ddp-b64", gpus, 64, [])
-            ours(out, tmp, "ours-fsdp-b64", gpus, 64, fsdp)
-            ours(out, tmp, "ours-ddp-b256", gpus, 256, [])
-            ours(out, tmp, "ours-fsdp-b256", gpus, 256, fsdp)
-            ours(out, tmp, "ours-fsdp-b512", gpus, 512, fsdp, steps=40)
-    if "trace" in chosen and gpus > 1:
-        run_case("trace", cmd_for(gpus, "trainer.bench.trace", []), out, 400)
-    if "stall" in chosen:
-        run_case("stall", [sys.executable, "-m", "trainer.bench.micro", "stall", f"checkpoint.dir={tmp / 'stall'}"], out, 600,
-                 env={"BENCH_TMP": str(tmp)})
-    if "recipes" in chosen:
-        recipe(out, tmp, "fast-1gpu", 1, "configs/fast.yaml", data, [])
-        if gpus > 1:
-            recipe(out, tmp, "fast-2gpu", gpus, "configs/fast.yaml", data, [])
-    if "ablation" in chosen:  # the speed recipe's switches one at a time (one GPU)
-        for name, extra in ABLATION:
-            recipe(out, tmp, f"fast-{name}", 1, "configs/fast.yaml", data, extra)
-        if gpus > 1:
-            recipe(out, tmp, "fast-2gpu-no-cudagraphs", gpus, "configs/fast.yaml", data, ["model.compile_mode=default"])
-    if "seeds" in chosen:  # the shipped recipe on more seeds (one GPU): its spread
-        for seed in args.seeds:
-            recipe(out, tmp, f"fast-seed{seed}", 1, "configs/fast.yaml", data, [f"train.seed={seed}"])
-    if "seednet-ablation" in chosen:
-        ours(out, tmp, "ours-single-b64", 1, 64, [])
-        for name, extra in SEEDNET_ABLATION:
-            ours(out, tmp, f"ours-single-b64-{name}", 1, 64, extra)
-    if "resnet18-compile" in chosen:  # same data, same epochs: compiled against eager (one GPU); the
-        # compiled run profiles the steps around the first epoch boundary (the evaluation between)
-        short = [f"train.epochs={args.resnet_ab_epochs}"]
-        recipe(out, tmp, "resnet18-compiled", 1, "configs/default.yaml", data, short)
-        recipe(out, tmp, "resnet18-eager", 1, "configs/default.yaml", data, [*short, "model.compile=false"])
-        recipe(out, tmp, "resnet18-compiled-profile", 1, "configs/default.yaml", data, ["train.epochs=2", "profile.steps=6", "profile.skip=94"])
-    if "resnet18-cudagraphs" in chosen:  # host-bound compiled steps (cuDNN calls from the host): CUDA graphs against none
-        short = [f"train.epochs={args.resnet_ab_epochs}"]
-        recipe(out, tmp, "resnet18-compiled", 1, "configs/default.yaml", data, short)
-        recipe(out, tmp, "resnet18-cudagraphs", 1, "configs/default.yaml", data, [*short, "model.compile_mode=reduce-overhead"])
-    if "recipe-ddp" in chosen:  # why two GPUs are slower than one: profiles (timings of those runs not used) and DDP options
-        window = ["profile.steps=10", "profile.skip=150"]
-        recipe(out, tmp, "fast-1gpu-profile", 1, "configs/fast.yaml", data, window)
-        if gpus > 1:
-            recipe(out, tmp, "fast-2gpu-profile", gpus, "configs/fast.yaml", data, window)
-            recipe(out, tmp, "fast-2gpu-one-graph", gpus, "configs/fast.yaml", data, ["dist.split_graph_at_buckets=false"])
-            recipe(out, tmp, "fast-2gpu-buffer-broadcast", gpus, "configs/fast.yaml", data, ["dist.broadcast_buffers=true"])
-            recipe(out, tmp, "fast-2gpu-dynamic-graph", gpus, "configs/fast.yaml", data, ["dist.static_graph=false"])
-    if "epochs11" in chosen:  # the recipe one epoch longer, on the seeds suite's seeds
-        for seed in args.seeds:
-            recipe(out, tmp, f"fast-11ep-seed{seed}", 1, "configs/fast.yaml", data, [f"train.seed={seed}", "train.epochs=11"])
-    if "nccl" in chosen and gpus > 1:  # fewer NCCL channels leave more SMs to the backward it overlaps
-        for channels in (2, 4, 8):
-            ours(out, tmp, f"ours-ddp-b64-nccl{channels}ch", gpus, 64, [], env={"NCCL_MAX_NCHANNELS": str(channels)})
-    if "resnet18" in chosen:
-        recipe(out, tmp, "resnet18", gpus, "configs/default.yaml", data, [f"train.epochs={args.resnet_epochs}"])
-    if "resnet18-scaling" in chosen:  # the default recipe as shipped, one GPU then all of them, same call
-        epochs = [f"train.epochs={args.resnet_epochs}"]
-        recipe(out, tmp, "resnet18-1gpu", 1, "configs/default.yaml", data, epochs)
-        if gpus > 1:
-            recipe(out, tmp, f"resnet18-{gpus}gpu", gpus, "configs/default.yaml", data, epochs)
-    if "seednet-weights" in chosen:  # bf16 working weights against fp32 ones, with and without CUDA graphs,
-        # beside the article's DDP loop of the same call
-        if gpus > 1:
-            run_case("article-ddp", cmd_for(gpus, "trainer.bench.article", ["--mode", "ddp"]), out, 600)
-        # bf16 weights under DDP, each way of moving their gradients (explicit, whatever the defaults):
-        # -after: DDP all-reduces every gradient; -gather: the first Linear's gradient from
-        # all-gathered factors (dist.gather_linear_factors)
-        bf16w, plain_mode = ["train.param_dtype=bf16"], ["model.compile_mode=default"]
-        ways = {"after": ["dist.gather_linear_factors=false"], "gather": ["dist.gather_linear_factors=auto"]}
-        if gpus > 1:
-            for way, extra in ways.items():
-                ours(out, tmp, f"ours-ddp-b64-bf16w-{way}", gpus, 64, [*bf16w, *extra])
-            for way in ("after", "gather"):
-                ours(out, tmp, f"ours-ddp-b512-bf16w-{way}", gpus, 512, [*bf16w, *ways[way]], steps=40)
-            ours(out, tmp, "ours-ddp-b1024-bf16w-gather", gpus, 1024, [*bf16w, *ways["gather"]], steps=30)
-        if args.more:
-            ours(out, tmp, "ours-single-b64-bf16w", 1, 64, bf16w)
-            ours(out, tmp, "ours-ddp-b64-fp32w", gpus, 64, ["train.param_dtype=fp32"])
-            ours(out, tmp, "ours-ddp-b64-bf16w-nographs", gpus, 64, [*bf16w, *plain_mode])
-    if "resnet18-ddp-diagnosis" in chosen and gpus > 1:  # the same per-GPU batch on one GPU, and a profile of two
-        recipe(out, tmp, "resnet18-1gpu-b256", 1, "configs/default.yaml", data, ["train.epochs=5", "train.batch_size=256"])
-        recipe(out, tmp, f"resnet18-{gpus}gpu-profile", gpus, "configs/default.yaml", data, ["train.epochs=3", "profile.steps=10", "profile.skip=150"])
+        for batch in (64, 256):
+            b.ours(f"ours-ddp-b{batch}", b.gpus, batch, [])
+            b.ours(f"ours-fsdp-b{batch}", b.gpus, batch, fsdp)
+        b.ours("ours-fsdp-b512", b.gpus, 512, fsdp, steps=40)
+
+
+def _stall(b: Bench) -> None:
+    b.case("stall", 1, "trainer.bench.micro", ["stall", f"checkpoint.dir={b.tmp / 'stall'}"], env={"BENCH_TMP": str(b.tmp)})
+
+
+def _recipes(b: Bench) -> None:
+    b.recipe("fast-1gpu", 1, "configs/fast.yaml", [])
+    if b.gpus > 1:
+        b.recipe("fast-2gpu", b.gpus, "configs/fast.yaml", [])
+
+
+def _ablation(b: Bench) -> None:
+    for name, extra in ABLATION:
+        b.recipe(f"fast-{name}", 1, "configs/fast.yaml", extra)
+
+
+def _seeds(b: Bench) -> None:
+    for seed in b.args.seeds:
+        b.recipe(f"fast-seed{seed}", 1, "configs/fast.yaml", [f"train.seed={seed}"])
+
+
+def _seednet_ablation(b: Bench) -> None:
+    b.ours("ours-single-b64", 1, 64, [])
+    for name, extra in SEEDNET_ABLATION:
+        b.ours(f"ours-single-b64-{name}", 1, 64, extra)
+
+
+def _resnet18(b: Bench) -> None:
+    b.recipe("resnet18", b.gpus, "configs/default.yaml", [f"train.epochs={b.args.resnet_epochs}"])
+
+
+def _resnet18_scaling(b: Bench) -> None:
+    epochs = [f"train.epochs={b.args.resnet_epochs}"]
+    b.recipe("resnet18-1gpu", 1, "configs/default.yaml", epochs)
+    if b.gpus > 1:
+        b.recipe(f"resnet18-{b.gpus}gpu", b.gpus, "configs/default.yaml", epochs)
+
+
+def _seednet_weights(b: Bench) -> None:
+    """bf16 working weights under DDP, each way of moving their gradients, beside the article's DDP
+    loop of the same call: -after all-reduces every gradient, -gather computes the first Linear's
+    from all-gathered factors (dist.gather_linear_factors)."""
+    if b.gpus < 2:
+        return
+    b.case("article-ddp", b.gpus, "trainer.bench.article", ["--mode", "ddp"])
+    bf16w = ["train.param_dtype=bf16"]
+    ways = {"after": ["dist.gather_linear_factors=false"], "gather": ["dist.gather_linear_factors=auto"]}
+    for batch, steps in ((64, 60), (512, 40)):
+        for way, extra in ways.items():
+            b.ours(f"ours-ddp-b{batch}-bf16w-{way}", b.gpus, batch, [*bf16w, *extra], steps=steps)
+    b.ours("ours-ddp-b1024-bf16w-gather", b.gpus, 1024, [*bf16w, *ways["gather"]], steps=30)
+
+
+SUITES = {"restart": _restart, "micro": _micro, "article": _article, "seednet": _seednet, "stall": _stall, "recipes": _recipes,
+          "ablation": _ablation, "seeds": _seeds, "seednet-ablation": _seednet_ablation, "resnet18": _resnet18,
+          "resnet18-scaling": _resnet18_scaling, "seednet-weights": _seednet_weights}
 
 
 def table(rows: list[dict]) -> str:
@@ -324,7 +316,7 @@ def table(rows: list[dict]) -> str:
             lines.append(f"{r['run']}: {r['gpus']} GPU(s), command -> first step cold {c.get('command_to_first_step_s')} s "
                          f"(worker {c.get('worker_first_step_s')}), warm {w.get('command_to_first_step_s')} s (worker {w.get('worker_first_step_s')}), "
                          f"warm/cold {r['warm_over_cold']}")
-        if r.get("run") in ("matmul-bf16", "allreduce") or r.get("run", "").startswith("trace-"):
+        if r.get("run") in ("matmul-bf16", "allreduce"):
             lines.append(json.dumps(r))
     return "\n".join(lines)
 
@@ -352,25 +344,29 @@ def chart(rows: list[dict], png: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    import torch
-
     p = argparse.ArgumentParser(prog="trainer bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="bench-results")
-    p.add_argument("--suite", default="micro,article,trace,seednet,stall,recipes,resnet18")
+    p.add_argument("--suite", default="micro,article,seednet,stall,recipes,resnet18", help=f"comma-separated, of: {', '.join(SUITES)}")
     p.add_argument("--data", default="", help="CIFAR-10 image folders or tarballs for the recipes (default ../shared/data)")
     p.add_argument("--configs", default=",".join(SHIPPED_CONFIGS), help="restart: the configs to start (default: every shipped one)")
     p.add_argument("--resnet-epochs", type=int, default=30)
-    p.add_argument("--resnet-ab-epochs", type=int, default=5, help="epochs of each resnet18-compile run")
-    p.add_argument("--more", action="store_true", help="seednet-weights: also one GPU, fp32 weights, and no CUDA graphs")
     p.add_argument("--seeds", type=lambda v: [int(x) for x in v.split(",")], default=[1, 2, 3], help="seeds of the seeds suite, e.g. 4,5,6")
     args = p.parse_args(argv)
+    unknown = [s for s in args.suite.split(",") if s not in SUITES]
+    if unknown:
+        print(f"error: no suite {', '.join(unknown)}; pass --suite with some of {','.join(SUITES)}", file=sys.stderr)
+        return 2
+    import torch  # after the usage checks: seconds
+
     if not torch.cuda.is_available():
         print("error: trainer bench needs CUDA GPUs; run it on the GPU machine", file=sys.stderr)
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="bench-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
-    suites(args, out, tmp, torch.cuda.device_count())
+    bench = Bench(out, tmp, torch.cuda.device_count(), args.data or "../shared/data", args)
+    for suite in args.suite.split(","):
+        SUITES[suite](bench)
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()] if (out / "results.jsonl").exists() else []
     meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0),
             "gpus": torch.cuda.device_count(), "command": "trainer bench " + " ".join(argv)}
