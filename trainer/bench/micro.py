@@ -15,6 +15,7 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -66,6 +67,7 @@ def allreduce() -> None:
 
 def stall(overrides: list[str]) -> None:
     """Seconds that training stands still for an async save and for a sync save of the same state."""
+    from trainer.checkpoint import META, newest_complete
     from trainer.config import load_config
     from trainer.dist import setup
     from trainer.loop import Trainer
@@ -98,7 +100,7 @@ def stall(overrides: list[str]) -> None:
     t0 = time.perf_counter()
     trainer.save(sync=True)
     sync_stall = time.perf_counter() - t0
-    state_bytes = sum(p.numel() * p.element_size() for p in run.model.parameters())
+    state_bytes = json.loads((newest_complete(Path(cfg.checkpoint.dir)) / META).read_text())["bytes"]  # what a save writes
     emit({"run": "checkpoint-stall", "model": cfg.model.name, "state_GB": state_bytes / 1e9, "async_stall_s": async_stall,
           "sync_stall_s": sync_stall, "step_ms": base * 1e3, "step_ms_during_write": during * 1e3})
 

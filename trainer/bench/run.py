@@ -304,7 +304,7 @@ def table(rows: list[dict]) -> str:
         lines.append(f"{r['run']:28} {r['gpus']:>4} {r['batch_per_gpu']:>6g} {ips:>10,.0f} {tf:>12.1f} {share:>12} {scale:>8} {first:>10}")
     for r in rows:
         if r.get("run") == "checkpoint-stall":
-            lines.append(f"checkpoint ({r['state_GB']:.2f} GB of weights): async stall {r['async_stall_s']:.3f}s, sync save {r['sync_stall_s']:.2f}s, "
+            lines.append(f"checkpoint ({r['state_GB']:.2f} GB written): async stall {r['async_stall_s']:.3f}s, sync save {r['sync_stall_s']:.2f}s, "
                          f"step {r['step_ms']:.1f} ms, {r['step_ms_during_write']:.1f} ms while writing")
         if "seconds_to_target" in r:
             acc = r.get("final_test_acc")
