@@ -244,6 +244,7 @@ def bad_cases(tmp_path: Path) -> list[tuple[str, str, list[str], str]]:
         ("data folder missing", "train", ["data.name=imagefolder", f"data.dir={tmp_path / 'nowhere'}"], "does not exist"),
         ("data folder without class folders", "train", ["data.name=imagefolder", f"data.dir={no_classes}"], "no class folders"),
         ("checkpoint of another model", "train", [f"checkpoint.resume={other_model}"], "holds model 'resnet18'"),
+        ("resume with another global batch", "launch", ["--nproc-per-node=2", "train.batch_size=64"], "count batches of 32"),
         ("checkpoint of an incompatible shape", "train", [f"checkpoint.resume={wrong_shape}"], "does not fit model tinynet"),
         ("file that is not a checkpoint", "train", [f"checkpoint.resume={junk}"], "not a loadable trainer checkpoint"),
         ("resume path that does not exist", "train", [f"checkpoint.resume={tmp_path / 'step-7'}"], "does not exist"),

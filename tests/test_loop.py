@@ -106,6 +106,7 @@ def test_resume_errors_change_nothing(ckpt):
         ("checkpoint.resume=never", "already holds checkpoints"),
         (f"checkpoint.resume={ckpt / 'step-999'}", "does not exist"),
         ("model.name=resnet18", "holds model 'tinynet' but model.name=resnet18"),
+        ("train.batch_size=64", "was saved with train.batch_size=32 but this run has train.batch_size=64"),
     ]:
         p = run(trainer_cmd("train", *TINY, f"checkpoint.dir={ckpt}", "train.epochs=2", override), check=False)
         assert p.returncode == 2, p.stderr

@@ -21,6 +21,8 @@ def test_triangle_and_cosine_schedules():
     assert [lr_factor(tri, s, 100, 10) for s in (0, 10, 20, 60, 100)] == pytest.approx([0.2, 0.6, 1.0, 0.5, 0.0])
     cos = load_config(None, ["optim.schedule=cosine", "optim.warmup_epochs=0", "optim.final_lr_fraction=0.1"])
     assert [lr_factor(cos, s, 100, 10) for s in (0, 50, 100)] == pytest.approx([1.0, 0.55, 0.1])
+    # past the end (a step count beyond the schedule's): the final rate, never a negative one
+    assert lr_factor(tri, 130, 100, 10) == 0.0 and lr_factor(cos, 200, 100, 10) == pytest.approx(0.1)
 
 
 def test_lookahead_pulls_the_fast_weights_to_the_slow_average():

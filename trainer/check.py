@@ -13,9 +13,9 @@ from trainer.config import Config, ConfigError, check_devices
 
 def preflight(cfg: Config) -> None:
     """The checks a launcher can make once, before torchrun starts any worker: CUDA where asked
-    for, a writable checkpoint folder, a resume path that exists and fits, a data folder that holds
-    data, room for keep + 1 checkpoints, no other run holding the folder. Raises ConfigError (exit
-    2); writes nothing but the folder itself and its lock file."""
+    for, a writable checkpoint folder, a resume path that exists and fits (its model and global
+    batch), a data folder that holds data, room for keep + 1 checkpoints, no other run holding the
+    folder. Raises ConfigError (exit 2); writes nothing but the folder itself and its lock file."""
     check_devices(cfg, torch.cuda.is_available())
     root = Path(cfg.checkpoint.dir)
     checkpoint.probe(root, checkpoint.state_bytes(cfg), cfg.checkpoint.keep)
@@ -26,9 +26,10 @@ def preflight(cfg: Config) -> None:
     if folder is not None:
         folder = folder if folder.is_dir() else folder.parent
         if (folder / checkpoint.META).is_file():
-            saved = json.loads((folder / checkpoint.META).read_text()).get("model")
-            if saved:
-                checkpoint.check_model(saved, cfg.model.name, folder)
+            meta = json.loads((folder / checkpoint.META).read_text())
+            if meta.get("model"):
+                checkpoint.check_model(meta["model"], cfg.model.name, folder)
+            checkpoint.check_global_batch(meta.get("batch_size"), cfg.train.batch_size, folder)
     d = cfg.data
     if d.name == "imagefolder":
         if not Path(d.dir).is_dir():

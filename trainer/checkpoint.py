@@ -176,6 +176,20 @@ def check_model(saved: str | None, wanted: str, where: Path) -> None:
         raise CheckpointError(f"checkpoint {where} holds model {saved!r} but model.name={wanted}; set model.name={saved} or use another checkpoint.dir")
 
 
+def check_global_batch(saved: int | None, wanted: int, where: Path) -> None:
+    """A checkpoint counts in its own global batches (the step, the place in the epoch, the
+    schedule's progress): resumed with another, the run would skip or repeat images of the epoch
+    and take its learning rate past the schedule's end."""
+    if saved is not None and saved != wanted:
+        raise CheckpointError(f"checkpoint {where} was saved with train.batch_size={saved} but this run has train.batch_size={wanted}; "
+                              f"its step, place in the epoch and learning-rate schedule count batches of {saved}: resume with "
+                              f"train.batch_size={saved} (on any number of processes that divides it) or use another checkpoint.dir")
+
+
+def saved_batch(state: dict) -> int | None:
+    return (state.get("config") or {}).get("train", {}).get("batch_size")
+
+
 def clean_temporaries(root: Path) -> None:
     for p in root.glob(".tmp-step-*"):
         shutil.rmtree(p, ignore_errors=True)
@@ -255,7 +269,7 @@ def write(state: dict, root: Path, step: int, keep: int) -> Path:
             fh.flush()
             os.fsync(fh.fileno())
         meta = {"format": FORMAT, "step": step, "epoch": state.get("epoch"), "bytes": writer.size,
-                "sha256": writer.sha.hexdigest(), "model": state.get("model_name"), "time": time.time()}
+                "sha256": writer.sha.hexdigest(), "model": state.get("model_name"), "batch_size": saved_batch(state), "time": time.time()}
         with open(tmp / META, "w") as fh:
             json.dump(meta, fh)
             fh.flush()
@@ -669,6 +683,7 @@ class Checkpointer:
         later, bf16 weights after an fp32 run) starts from the restored weights."""
         state = load(path, verify_checksum=self.is_main and self.cfg.checkpoint.resume != "auto")
         check_model(state.get("model_name"), self.cfg.model.name, path)
+        check_global_batch(saved_batch(state), self.cfg.train.batch_size, path)
         for key, part in self.parts.items():
             if key == "train":
                 part.load_state_dict(state)

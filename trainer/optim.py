@@ -54,7 +54,7 @@ def lr_factor(cfg: Config, step: int, total: int, steps_per_epoch: int) -> float
     if step < warm:
         start = o.warmup_start
         return start + (1 - start) * step / warm
-    t = (step - warm) / max(1, total - warm)
+    t = min(1.0, (step - warm) / max(1, total - warm))  # never past the end: a negative rate would climb the loss
     if o.schedule == "cosine":
         return end + (1 - end) * 0.5 * (1 + math.cos(math.pi * t))
     return 1 - (1 - end) * t  # triangle: linear up, linear down
