@@ -74,7 +74,10 @@ def render(docs: list[dict], image: str | None, nodes: int | None, gpus: int | N
         replicas = spec["pytorchReplicaSpecs"]
         if gpus is not None:
             spec["nprocPerNode"] = str(gpus)
-        if nodes is not None and "Worker" in replicas:
+        if nodes is not None and "elasticPolicy" in spec:  # Workers only: NODES is the most, the least stays (or shrinks to it)
+            replicas["Worker"]["replicas"] = spec["elasticPolicy"]["maxReplicas"] = nodes
+            spec["elasticPolicy"]["minReplicas"] = min(spec["elasticPolicy"]["minReplicas"], nodes)
+        elif nodes is not None and "Worker" in replicas:
             replicas["Worker"]["replicas"] = nodes - 1
         for replica in replicas.values():
             pod = replica["template"]["spec"]

@@ -5,6 +5,7 @@
 #   sbatch --nodes=4 --gpus-per-node=4 slurm/ddp.sh train.epochs=60
 #   RUN_NAME=seed CONFIG=configs/seed.yaml sbatch slurm/ddp.sh train.batch_size=1024
 #   CONTAINER_IMAGE=ghcr.io/you/cluster-trainer:0.1.0 sbatch slurm/ddp.sh     # pyxis
+#   MIN_NODES=3 sbatch --no-kill --nodes=4 slurm/ddp.sh train.batch_size=576    # elastic: goes on with 3
 # Environment knobs are listed in slurm/steps.sh. USR1 arrives 120 s before the time limit: the
 # job checkpoints and requeues itself, and the next run resumes from $CKPT_ROOT/$RUN_NAME.
 #SBATCH --job-name=cifar-ddp

@@ -11,6 +11,11 @@
 #   DATA_DIR=$SHARED_DIR/data     the data set (CIFAR-10 is downloaded there once if missing)
 #   NPROC_PER_NODE=<GPUs on node> processes per node (set it for CPU-only nodes)
 #   MAX_RESTARTS=3                torchrun restarts of the whole group after a failure
+#   MIN_NODES=$SLURM_NNODES       elastic: fewer nodes the job may go on with (--nnodes MIN_NODES:
+#                                 SLURM_NNODES); submit with --no-kill so that the allocation
+#                                 outlives a failed node. Every size in the range must split
+#                                 train.batch_size. The first node holds the rendezvous: the job
+#                                 survives the loss of any other node
 #   RDZV_PORT=29500+jobid%1000    c10d rendezvous port on the first node
 #   LOCAL_ADDR=auto               address each node advertises: auto = this node's source address on
 #                                 the route to the first node (the interface the others reach it
@@ -30,6 +35,7 @@ CKPT_ROOT=${CKPT_ROOT:-$SHARED_DIR/checkpoints}
 DATA_DIR=${DATA_DIR:-$SHARED_DIR/data}
 NPROC_PER_NODE=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-1}}
 MAX_RESTARTS=${MAX_RESTARTS:-3}
+MIN_NODES=${MIN_NODES:-${SLURM_NNODES:-1}}
 RDZV_PORT=${RDZV_PORT:-$((29500 + ${SLURM_JOB_ID:-0} % 1000))}
 LOCAL_ADDR=${LOCAL_ADDR:-auto}
 
@@ -76,9 +82,20 @@ fi
 exec python -m trainer torchrun "${addr[@]}" "$@"'
 export LOCAL_ADDR RDZV_PORT HEAD_NODE="$head_node" APPTAINER_IMAGE="${APPTAINER_IMAGE:-}" APPTAINER_BIND="$ckpt_dir,$DATA_DIR"
 
+nnodes=$SLURM_NNODES
+step_opts=(--wait=60)
+# --wait, not --kill-on-bad-exit: a node whose step exits 75 first must not have srun kill the
+# others while they still save (preemption and the time limit stop every node at once); a node that
+# crashes ends the step 60 s later at the latest. Elastic: the step goes on without a lost node.
+if [ "${MIN_NODES}" != "$SLURM_NNODES" ]; then
+    nnodes=$MIN_NODES:$SLURM_NNODES
+    step_opts=(--no-kill --wait=0 --kill-on-bad-exit=0)
+fi
+
 if [ -z "${CONTAINER_IMAGE:-}${APPTAINER_IMAGE:-}" ]; then
     # A usage error stops here with exit 2, before torchrun would restart it MAX_RESTARTS times.
-    python -m trainer check --config "$CONFIG" checkpoint.dir="$ckpt_dir" data.dir="$data_dir" "$@"
+    python -m trainer check --nnodes "$nnodes" --nproc-per-node "$NPROC_PER_NODE" --config "$CONFIG" \
+        checkpoint.dir="$ckpt_dir" data.dir="$data_dir" "$@"
 fi
 
 requeue=0
@@ -94,11 +111,8 @@ set +e
 # since Slurm 22.05 srun does not inherit --cpus-per-task from sbatch: pass it on, or each task gets one CPU
 cpus=()
 if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then cpus=(--cpus-per-task="$SLURM_CPUS_PER_TASK"); fi
-# --wait, not --kill-on-bad-exit: a node whose step exits 75 first must not have srun kill the
-# others while they still save (preemption and the time limit stop every node at once); a node that
-# crashes ends the step 60 s later at the latest
-srun --ntasks-per-node=1 --wait=60 "${cpus[@]}" "${container[@]}" bash -c "$node_cmd" trainer-torchrun \
-    --nnodes="$SLURM_NNODES" --nproc-per-node="$NPROC_PER_NODE" --max-restarts="$MAX_RESTARTS" \
+srun --ntasks-per-node=1 "${step_opts[@]}" "${cpus[@]}" "${container[@]}" bash -c "$node_cmd" trainer-torchrun \
+    --nnodes="$nnodes" --nproc-per-node="$NPROC_PER_NODE" --max-restarts="$MAX_RESTARTS" \
     --rdzv-backend=c10d --rdzv-endpoint="$head_node:$RDZV_PORT" --rdzv-id="$SLURM_JOB_ID" \
     -m trainer train --config "$CONFIG" checkpoint.dir="$ckpt_dir" data.dir="$data_dir" "$@" &
 srun_pid=$!

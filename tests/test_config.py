@@ -147,3 +147,27 @@ def test_config_command_prints_the_resolved_config():
     p = run(trainer_cmd("config", "--config", "configs/smoke.yaml", "train.epochs=5"))
     tree = yaml.safe_load(p.stdout)
     assert tree["train"]["epochs"] == 5 and tree["model"]["name"] == "tinynet"
+
+
+def test_every_size_of_an_elastic_range_must_split_the_batch():
+    from trainer.config import check_world_range
+
+    cfg = load_config(None, ["train.batch_size=64"])
+    check_world_range(cfg, "2", 8)
+    with pytest.raises(ConfigError, match=r"3 node\(s\) x 8 process\(es\) \(--nnodes 2:4\).*16, 24, 32 processes.*train.batch_size=96"):
+        check_world_range(cfg, "2:4", 8)  # 24 processes do not split 64
+    with pytest.raises(ConfigError) as e:
+        check_world_range(load_config(None, ["train.batch_size=64"]), "2:3", 1)
+    assert "\n" not in str(e.value) and "3 node(s) x 1 process(es) (--nnodes 2:3)" in str(e.value) and "train.batch_size=66" in str(e.value)
+    check_world_range(load_config(None, ["train.batch_size=96"]), "2:3", 1)
+    check_world_range(load_config(None, ["train.batch_size=96"]), "4", 8)
+    for bad in ("0:2", "3:2", "two", "2:"):
+        with pytest.raises(ConfigError, match="MIN:MAX"):
+            check_world_range(cfg, bad, 1)
+
+
+def test_trainer_check_refuses_a_range_in_one_line():
+    p = run(trainer_cmd("check", "--config", "configs/smoke.yaml", "--nnodes", "2:3", "train.batch_size=64"), check=False)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "every size the elastic job may take" in p.stderr, p.stderr
+    ok = run(trainer_cmd("check", "--config", "configs/smoke.yaml", "--nnodes", "2:3", "train.batch_size=96", "data.name=synthetic"), check=False)
+    assert ok.returncode == 0 and ok.stdout.strip() == "ok", ok.stderr

@@ -67,12 +67,13 @@ class Proc:
 
 
 
-def node(bed: Bed, host: str, ckpt: Path, job_id: str, *overrides: str, nnodes: int = 2, rdzv: str = "") -> Proc:
-    """`trainer torchrun` on ``host``, as every launcher of ours runs it, c10d rendezvous on node0."""
+def node(bed: Bed, host: str, ckpt: Path, job_id: str, *overrides: str, nnodes: int | str = 2, rdzv: str = "", endpoint: str = "node0",
+         environ: dict[str, str] | None = None) -> Proc:
+    """`trainer torchrun` on ``host``, as every launcher of ours runs it, c10d rendezvous on ``endpoint``."""
     cmd = [sys.executable, "-m", "trainer", "torchrun", f"--nnodes={nnodes}", "--nproc-per-node=1", "--max-restarts=3",
-           "--monitor-interval=0.5", "--rdzv-backend=c10d", f"--rdzv-endpoint=node0:{PORT}", f"--rdzv-id={job_id}", *([rdzv] if rdzv else []),
+           "--monitor-interval=0.5", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}:{PORT}", f"--rdzv-id={job_id}", *([rdzv] if rdzv else []),
            "-m", "trainer", "train", *JOB, f"checkpoint.dir={ckpt}", *overrides]
-    return Proc(bed, host, cmd, env())
+    return Proc(bed, host, cmd, env(**(environ or {})))
 
 
 @pytest.fixture
@@ -104,7 +105,9 @@ def same(a: dict, b: dict) -> bool:
 def test_two_hosts_train_with_a_late_node_then_resume_across_hosts(bed, tmp_path, reference):
     ckpt = tmp_path / "ckpt"
     first = node(bed, "node0", ckpt, "a")
-    time.sleep(8)  # the second node comes late: the first one waits at the rendezvous
+    t_first = time.time()
+    waiting = first.when(r"torchrun: waiting \d+ s at the rendezvous node0:\d+ \(id a\) for 1 more node", timeout=30)
+    assert waiting - t_first < 30 and "present: node0;" in first.out  # the second node comes late: the first one says what it waits for
     second = node(bed, "node1", ckpt, "a")
     both_finish([first, second])
     assert "strategy ddp x2" in first.out and f"done: step {STEPS}" in first.out, first.out[-2000:]
@@ -130,12 +133,34 @@ def test_a_lost_node_comes_back_and_the_job_finishes_with_nothing_lost(bed, tmp_
     nodes[0].when(r"epoch 4/12 step 8/")
     t_crash = time.time()
     assert bed.crash("node1") >= 2  # its supervisor, torchrun and worker, at once, as a power cut
-    time.sleep(5)  # the node reboots; the scheduler starts the same command there again
-    nodes[1] = node(bed, "node1", ckpt, "lost")
+    said = nodes[0].when(r"rank 0 \(node0\): lost rank 1 \(node1\) at step \d+: .*torchrun restarts the group from step-\d+", after=t_crash, timeout=30)
+    waits = nodes[0].when(r"torchrun: waiting \d+ s at the rendezvous .* for 1 more node.*; node1 of the last group not back; gives up in", after=t_crash, timeout=40)
+    print(f"lost node: named {said - t_crash:.1f} s after the crash, the wait said {waits - t_crash:.1f} s after it")
+    assert "Traceback" not in nodes[0].out  # one line, the traceback in the run folder
+    assert "Connection reset by peer" in (ckpt / "error-rank0.txt").read_text()
+    nodes[1] = node(bed, "node1", ckpt, "lost")  # the node reboots; the scheduler starts the same command there again
     t_back = nodes[0].when(r"epoch \d+/12 step \d+/", after=nodes[0].when("resuming from", after=t_crash))
-    print(f"lost node: node1 killed -> node0's next training step in {t_back - t_crash:.1f} s (5 s of it the node was down)")
+    print(f"lost node: node1 killed -> node0's next training step in {t_back - t_crash:.1f} s (the node down for {waits - t_crash:.0f} s of it)")
     both_finish(nodes)
     assert same(weights(newest(ckpt)), reference)
+
+
+def test_a_lost_node_that_never_returns_is_named_and_the_wait_ends_in_a_crash_code(bed, tmp_path):
+    """Not elastic: the survivor says whom it lost at once, what it waits for while it waits, and
+    at the end of the wait (join_timeout, here 20 s) which node did not come back and the fix."""
+    ckpt = tmp_path / "ckpt"
+    nodes = [node(bed, h, ckpt, "gone", rdzv="--rdzv-conf=join_timeout=20") for h in bed.names]
+    nodes[0].when(r"epoch 2/12 step 8/")
+    t_crash = time.time()
+    bed.crash("node1")
+    said = nodes[0].when(r"lost rank 1 \(node1\) at step \d+", after=t_crash, timeout=30)
+    code = nodes[0].wait(20 + 60)
+    t_end = time.time()
+    print(f"lost node, never back: named {said - t_crash:.1f} s after the crash; exit {code} {t_end - t_crash:.1f} s after it (join_timeout 20 s)")
+    assert code not in (0, 2, EXIT_PREEMPTED), nodes[0].out[-2000:]
+    last = [x for x in nodes[0].out.splitlines() if "did not come back" in x]
+    assert len(last) == 1 and "node1, in the job until its last failure" in last[0] and "--nnodes MIN:2" in last[0], nodes[0].out[-2000:]
+    assert "wait longer" not in nodes[0].out
 
 
 def test_a_hung_rank_on_another_host_is_caught_and_the_job_finishes(bed, tmp_path, reference):
@@ -150,6 +175,8 @@ def test_a_hung_rank_on_another_host_is_caught_and_the_job_finishes(bed, tmp_pat
     assert t_back - t_stop < 10 + 30 + 15  # the bound, the supervisor's margin and a restart
     both_finish(nodes)
     assert "state T (stopped)" in nodes[1].out
+    # node0's console names the rank that stopped, not only its own wait
+    assert re.search(r"rank 0 \(node0\): no training progress .*waiting for rank 1 \(node1\), whose process has not run", nodes[0].out), [x for x in nodes[0].out.splitlines() if "progress" in x or "lost" in x]
     assert (ckpt / "hang-rank0.txt").is_file()  # rank 0 waited for it in a collective: its stacks say where
     assert same(weights(newest(ckpt)), reference)
 
@@ -196,6 +223,29 @@ def test_a_link_cut_of_five_minutes_is_ridden_out_and_the_job_finishes_with_noth
     assert same(weights(newest(ckpt)), reference)
 
 
+def test_after_a_cut_ridden_out_a_blocked_read_is_caught_within_the_setting(bed, tmp_path):
+    """A cut shorter than the bound is ridden out without a restart; it is a stall, so it raises
+    no bound: a read that then blocks on node1 is caught by its watchdog within dist.hang_timeout_s
+    (10 x the stall, about 150 s, before), with its stacks, and node0 names it."""
+    ckpt = tmp_path / "ckpt"
+    hang = 30
+    job = [f"dist.hang_timeout_s={hang}", "dist.timeout_s=120", "train.epochs=16"]
+    nodes = [node(bed, h, ckpt, "stall", *job, environ={"TRAINER_FAULT": "batch@150:sleep=600", "TRAINER_FAULT_RANK": "1"})
+             for h in bed.names]
+    nodes[0].when(r"epoch 3/16 step 4/")
+    bed.cut("node1")
+    time.sleep(8)  # TCP's resends (0.2 s doubling) get through within about 13 s: under the bound
+    bed.mend("node1")
+    t_read = nodes[0].when(r"epoch 9/16 step 4/", timeout=120)  # step 132: ridden out, no restart
+    assert "resuming from" not in nodes[0].out and re.search(r"\(\d+m\d+s stalled, left out\)", nodes[0].out), nodes[0].out[-2000:]
+    caught = nodes[1].when(r"rank 1 \(node1\): no training progress", after=t_read, timeout=hang + 60)
+    print(f"cut ridden out, then a blocked read: caught {caught - t_read:.1f} s after step 132 (dist.hang_timeout_s={hang}; the read blocks at step 150)")
+    assert caught - t_read < hang + 20
+    assert "blocked in its own data read" in nodes[1].out and "crash_point" in (ckpt / "hang-rank1.txt").read_text()
+    assert re.search(r"waiting for rank 1 \(node1\), blocked in its data read", nodes[0].out), nodes[0].out[-3000:]
+    both_finish(nodes)
+
+
 def test_a_link_cut_past_the_bound_ends_with_a_crash_code_and_the_relaunch_resumes(bed, tmp_path, reference):
     """The bound is the rendezvous' join_timeout (here 20 s instead of 600 s, to keep CI short): past it
     the first node's agent gives up, the other's supervisor ends its agent if it still waits on the
@@ -216,6 +266,81 @@ def test_a_link_cut_past_the_bound_ends_with_a_crash_code_and_the_relaunch_resum
     both_finish(again)
     assert f"resuming from {kept}" in again[0].out
     assert same(weights(newest(ckpt)), reference)
+
+
+# ------------------------------------------------------------------------------------------------
+# Elastic: --nnodes 2:3 on three hosts, the rendezvous on a host of its own (as a job that must
+# survive the loss of any node has it), a shared checkpoint folder
+
+STORE = """import sys, time, torch.distributed as d
+s = d.TCPStore("0.0.0.0", int(sys.argv[1]), is_master=True, wait_for_workers=False)
+print("ready", flush=True)
+time.sleep(3600)
+"""
+ELASTIC = ["train.batch_size=48", "train.epochs=40"]  # 48 splits over 2 and 3 processes; 10 steps an epoch
+
+
+def first_of(procs: list[Proc], pattern: str, after: float = 0.0, timeout: float = 90) -> tuple[Proc, float]:
+    """The process (of several hosts) that prints a line matching ``pattern`` first, and when."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        found = [(t, p) for p in procs for t, line in list(p.lines) if t >= after and re.search(pattern, line)]
+        if found:
+            t, p = min(found, key=lambda x: x[0])
+            return p, t
+        time.sleep(0.1)
+    raise AssertionError(f"no host printed {pattern!r}\n" + "\n".join(f"{p.host}: {p.out[-1500:]}" for p in procs))
+
+
+def starts(ckpt: Path) -> list[dict]:
+    return [r for r in (json.loads(x) for x in (ckpt / "metrics.jsonl").read_text().splitlines()) if r.get("event") == "start"]
+
+
+def test_an_elastic_job_goes_on_without_the_host_of_rank_0_and_grows_back_when_it_returns(tmp_path):
+    """The host of rank 0 is lost and never comes back in time: the two others re-form at world
+    size 2 from the newest checkpoint (its lock taken over) within 30 s, with the launchers'
+    defaults; when the host returns, the group grows back to 3 at the step it was on (a save at the
+    re-form: no step lost). The global batch never changes, so every step trains the batch it
+    would have trained straight; the accuracy ends as a one-process run's does."""
+    ckpt = tmp_path / "ckpt"
+    with Bed(4, names=["rdzv", "node0", "node1", "node2"]) as bed:
+        store = Proc(bed, "rdzv", [sys.executable, "-c", STORE, str(PORT)], env())
+        store.when("ready", timeout=60)
+        run = {h: node(bed, h, ckpt, "el", *ELASTIC, nnodes="2:3", endpoint="rdzv") for h in ("node0", "node1", "node2")}
+        first = run["node0"].when(r"epoch 3/40 step 4/", timeout=120)
+        rank0 = next(h for h, p in run.items() if "strategy ddp x3" in p.out)
+        others = [h for h in run if h != rank0]
+        t_loss = time.time()
+        bed.crash(rank0)
+        leader, t_formed = first_of([run[h] for h in others], "strategy ddp x2", after=t_loss, timeout=60)
+        t_next = leader.when(r"epoch \d+/40 step \d+/", after=t_formed)
+        print(f"elastic 2:3: {rank0} (rank 0's host) lost at {t_loss - first:.0f} s -> training at world size 2 {t_next - t_loss:.1f} s later")
+        assert t_next - t_loss < 30
+        for h in others:
+            assert re.search(rf"torchrun: the group re-formed with 2 node\(s\) \(.*; {rank0} left\)", run[h].out), run[h].out[-3000:]
+            assert re.search(rf"lost rank 0 \({rank0}\) at step \d+", run[h].out), run[h].out[-3000:]
+        time.sleep(3)
+        t_back = time.time()
+        run[rank0] = node(bed, rank0, ckpt, "el", *ELASTIC, nnodes="2:3", endpoint="rdzv")  # the host is back, the same command
+        leader, t_formed = first_of(list(run.values()), "strategy ddp x3", after=t_back)
+        t_grow = leader.when(r"epoch \d+/40 step \d+/", after=t_formed)
+        print(f"elastic 2:3: {rank0} back -> training at world size 3 {t_grow - t_back:.1f} s after its launch")
+        for p in run.values():
+            assert p.wait(300) == 0, f"{p.host} exited {p.proc.returncode}\n{p.out[-3000:]}"
+        out = "".join(p.out for p in run.values())
+        assert f"{rank0} joined" in out and "stopped by torchrun for a re-form of the group at step" in out, out[-3000:]
+    grown = int(re.search(r"stopped by torchrun for a re-form of the group at step (\d+)", out).group(1))
+    sizes = [(r["world_size"], r["step"]) for r in starts(ckpt)]
+    assert [w for w, _ in sizes] == [3, 2, 3] and sizes[2][1] == grown, sizes  # the grow resumed the step it stopped at
+    lost_at = int(re.search(r"lost rank 0 \(\S+\) at step (\d+)", out).group(1))
+    assert lost_at - 8 < sizes[1][1] <= lost_at and sizes[1][1] % 8 == 0, (lost_at, sizes)  # the newest save before the loss
+    assert newest(ckpt).name == "step-400"
+    straight = tmp_path / "straight"
+    subprocess.run([sys.executable, "-m", "trainer", "train", *JOB, *ELASTIC, f"checkpoint.dir={straight}"], check=True, cwd=ROOT, env=env(),
+                   capture_output=True, timeout=300)
+    acc = [json.loads(x)["test_acc"] for x in (ckpt / "metrics.jsonl").read_text().splitlines() if '"event": "epoch"' in x][-1]
+    ref = [json.loads(x)["test_acc"] for x in (straight / "metrics.jsonl").read_text().splitlines() if '"event": "epoch"' in x][-1]
+    assert abs(acc - ref) <= 0.05, (acc, ref)
 
 
 # ------------------------------------------------------------------------------------------------

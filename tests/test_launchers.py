@@ -21,7 +21,7 @@ import yaml
 from conftest import ROOT, env, free_port, run
 
 SCHEMAS = ROOT.parent / "shared" / "schemas"
-K8S_DIRS = ["storage", "multi-node", "single-gpu"]
+K8S_DIRS = ["storage", "multi-node", "single-gpu", "elastic"]
 TINY_JOB = ["model.name=tinynet", "data.name=synthetic", "data.synthetic_train_size=512", "data.synthetic_test_size=128",
             "train.batch_size=32", "train.epochs=1", "train.plot=false", "train.log_every=8"]
 
@@ -37,7 +37,14 @@ def crd_schema(name: str) -> dict:
 
 
 def manifests(folder: str) -> list[dict]:
-    return [d for f in sorted((ROOT / "k8s" / folder).glob("*.yaml")) if f.name != "kustomization.yaml" for d in yaml.safe_load_all(f.read_text()) if d]
+    """The folder's manifests; an overlay (a kustomization alone, k8s/elastic) as kustomize builds it."""
+    files = [f for f in sorted((ROOT / "k8s" / folder).glob("*.yaml")) if f.name != "kustomization.yaml"]
+    if not files:
+        kubectl = shutil.which("kubectl")
+        assert kubectl, "kubectl is needed (.ci/run installs Debian's kubernetes-client when it is missing)"
+        built = subprocess.run([kubectl, "kustomize", f"k8s/{folder}"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+        return [d for d in yaml.safe_load_all(built) if d]
+    return [d for f in files for d in yaml.safe_load_all(f.read_text()) if d]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -163,9 +170,9 @@ def restricted(pod: dict) -> list[str]:
 
 
 def test_every_pod_passes_pod_security_restricted():
-    pods = [r["template"]["spec"] for f in ("multi-node", "single-gpu") for d in manifests(f) if d["kind"] == "PyTorchJob"
+    pods = [r["template"]["spec"] for f in ("multi-node", "single-gpu", "elastic") for d in manifests(f) if d["kind"] == "PyTorchJob"
             for r in d["spec"]["pytorchReplicaSpecs"].values()]
-    assert len(pods) == 3
+    assert len(pods) == 4
     for pod in pods:
         assert restricted(pod) == []
     broken = copy.deepcopy(pods[0])
@@ -179,7 +186,7 @@ CHECKOV = ROOT / ".venv-checkov" / "bin" / "checkov"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("folder", ["single-gpu", "multi-node"])
+@pytest.mark.parametrize("folder", ["single-gpu", "multi-node", "elastic"])
 def test_checkov_finds_nothing_unwaived_in_the_pod_templates(folder, tmp_path):
     """checkov (`make test-slow` installs it) on every pod template, each wrapped as the Job that
     checkov knows (it skips PyTorchJobs), with the PyTorchJob's waivers: every check passes or is
@@ -233,6 +240,33 @@ def test_pytorchjob_has_what_a_cluster_needs():
     assert pvc["cifar-checkpoints"]["spec"]["accessModes"] == ["ReadWriteMany"]
 
 
+def test_the_elastic_job_takes_its_range_from_the_operator_and_refuses_a_batch_it_does_not_split(tmp_path):
+    """The operator sets PET_NNODES=MIN:MAX and PET_RDZV_ENDPOINT (worker 0); `trainer torchrun`
+    reads them as torchrun does. The range is checked at launch: the job's own batch splits over
+    3 and 4 pods of 8 processes; the multi-node job's 512 would not, and stops in one line."""
+    job = next(d for d in manifests("elastic") if d["kind"] == "PyTorchJob")
+    admit(job)
+    variables = operator_env(job, "Worker", 0)
+    assert variables["PET_NNODES"] == "3:4" and variables["PET_RDZV_ENDPOINT"] == "cifar-elastic-worker-0:23456"
+    c = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
+    args = [expand(a, variables) for a in c["args"]]
+    assert not any(a.startswith("--rdzv-endpoint") or a.startswith("--nnodes") for a in args)  # the operator's, not ours
+    paths = {"/checkpoints": tmp_path / "checkpoints", "/data": tmp_path / "data"}
+    cmd = local_command(c, variables, paths, ["train.batch_size=512", "data.name=synthetic"])
+    p = run(cmd, env=env(**variables), check=False, timeout=60)  # PET_NPROC_PER_NODE=8, as the job asks
+    lines = [x for x in p.stderr.splitlines() if x.strip()]
+    assert p.returncode == 2 and len(lines) == 1 and "(--nnodes 3:4)" in lines[0] and "24, 32 processes" in lines[0], p.stderr
+    from trainer.config import check_world_range, load_config
+
+    check_world_range(load_config(ROOT / "configs" / "default.yaml", ["train.batch_size=480"]), variables["PET_NNODES"], 8)
+    sys.path.insert(0, str(ROOT / "k8s"))
+    from render import render
+
+    spec = render([job], "reg/img:2", nodes=6, gpus=4)[0]["spec"]  # NODES is the most pods; the least stays
+    assert spec["pytorchReplicaSpecs"]["Worker"]["replicas"] == 6 and spec["elasticPolicy"] == {**spec["elasticPolicy"], "minReplicas": 3, "maxReplicas": 6}
+    assert render([copy.deepcopy(job)], None, nodes=2, gpus=None)[0]["spec"]["elasticPolicy"]["minReplicas"] == 2
+
+
 def test_render_sets_image_nodes_and_gpus():
     sys.path.insert(0, str(ROOT / "k8s"))
     from render import render
@@ -251,10 +285,15 @@ DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
 
 def admit(job: dict) -> None:
-    """The operator's admission webhook checks."""
+    """The operator's admission webhook checks (an elastic job: Workers only, within its range)."""
     assert DNS1035.match(job["metadata"]["name"]) and len(job["metadata"]["name"]) <= 63
     specs = job["spec"]["pytorchReplicaSpecs"]
-    assert "Master" in specs and specs["Master"].get("replicas", 1) == 1
+    if "elasticPolicy" in job["spec"]:
+        policy = job["spec"]["elasticPolicy"]
+        assert set(specs) == {"Worker"} and policy.get("rdzvBackend", "c10d") == "c10d"
+        assert policy["minReplicas"] <= specs["Worker"]["replicas"] <= policy["maxReplicas"]
+    else:
+        assert "Master" in specs and specs["Master"].get("replicas", 1) == 1
     for replica in specs.values():
         containers = replica["template"]["spec"]["containers"]
         assert any(c["name"] == "pytorch" and c.get("image") for c in containers)
@@ -262,6 +301,13 @@ def admit(job: dict) -> None:
 
 def operator_env(job: dict, role: str, index: int) -> dict[str, str]:
     specs = job["spec"]["pytorchReplicaSpecs"]
+    if "elasticPolicy" in job["spec"]:  # the training operator's elastic variables (pkg/controller.v1/pytorch/elastic.go)
+        policy, name = job["spec"]["elasticPolicy"], job["metadata"]["name"]
+        worker = specs["Worker"]["template"]["spec"]["containers"][0]
+        port = policy.get("rdzvPort") or next((p["containerPort"] for p in worker.get("ports", []) if p["name"] == "pytorchjob-port"), 23456)
+        return {"PYTHONUNBUFFERED": "1", "PET_NPROC_PER_NODE": job["spec"].get("nprocPerNode", "1"), "PET_RDZV_BACKEND": policy.get("rdzvBackend", "c10d"),
+                "PET_RDZV_ENDPOINT": f"{policy.get('rdzvHost', f'{name}-worker-0')}:{port}",
+                "PET_NNODES": f"{policy['minReplicas']}:{policy['maxReplicas']}", "PET_MAX_RESTARTS": str(policy.get("maxRestarts", 3))}
     pods = sum(r.get("replicas", 1) for r in specs.values())
     nproc = job["spec"].get("nprocPerNode", "1")
     master = specs["Master"]["template"]["spec"]["containers"][0]

@@ -16,9 +16,9 @@ import psutil
 import pytest
 from conftest import ROOT, TINY, env, newest, run, trainer_cmd
 
-from trainer import checkpoint
+from trainer import checkpoint, supervisor
 from trainer.checkpoint import CheckpointError, FolderLock
-from trainer.supervisor import EXIT_PREEMPTED, EXIT_USAGE, verdict
+from trainer.supervisor import EXIT_PREEMPTED, EXIT_USAGE, recorded, verdict
 
 LONG = [*TINY, "train.epochs=400", "train.log_every=8", "checkpoint.every_steps=0"]
 
@@ -164,17 +164,19 @@ HOLD = """
 import json, sys, time, fcntl, os
 from pathlib import Path
 path, host, age = Path(sys.argv[1]), sys.argv[2], float(sys.argv[3])
+run_id = sys.argv[4] if len(sys.argv) > 4 else None
 path.parent.mkdir(parents=True, exist_ok=True)
 fd = os.open(path, os.O_RDWR | os.O_CREAT)
 fcntl.flock(fd, fcntl.LOCK_EX)
-os.write(fd, json.dumps({"host": host, "pid": os.getpid(), "since": time.time() - age, "heartbeat": time.time() - age}).encode())
+os.write(fd, json.dumps({"host": host, "pid": os.getpid(), "since": time.time() - age, "heartbeat": time.time() - age, "run_id": run_id}).encode())
 print("held", flush=True)
 time.sleep(120)
 """
 
 
-def holder(root: Path, host: str, age: float) -> subprocess.Popen:
-    p = subprocess.Popen([sys.executable, "-c", HOLD, str(root / checkpoint.LOCK), host, str(age)], stdout=subprocess.PIPE, text=True)
+def holder(root: Path, host: str, age: float, run_id: str = "") -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-c", HOLD, str(root / checkpoint.LOCK), host, str(age), *([run_id] if run_id else [])],
+                         stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "held"
     return p
 
@@ -219,6 +221,32 @@ def test_a_dead_hosts_lock_is_broken_after_its_heartbeat_goes_stale(tmp_path):
     finally:
         stale.kill()
         stale.wait()
+
+
+def test_this_jobs_rank_0_lost_with_its_host_hands_the_lock_over_after_two_heartbeats(tmp_path, monkeypatch):
+    """An elastic group re-formed without the host of rank 0 (the folder on a network file system,
+    whose server keeps the dead host's lock): the new rank 0, of the same job, waits for that
+    holder's heartbeat to go two beats stale, not the 120 s a stranger's lock gets, and takes over."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-7")
+    other_job = holder(tmp_path, "lost-host", 3, run_id="job-6")
+    try:
+        with pytest.raises(CheckpointError, match="on lost-host"):
+            FolderLock(tmp_path, heartbeat_s=1, stale_s=60).acquire(wait_s=0)  # another job's: no take-over
+    finally:
+        other_job.kill()
+        other_job.wait()
+    (tmp_path / checkpoint.LOCK).unlink()
+    ours = holder(tmp_path, "lost-host", 1, run_id="job-7")
+    try:
+        said: list[str] = []
+        t0 = time.monotonic()
+        lock = FolderLock(tmp_path, heartbeat_s=1, stale_s=60)
+        lock.acquire(wait_s=0, say=said.append)  # a re-form keeps torchrun's restart count: no wait asked for, the same job waits
+        assert time.monotonic() - t0 < 3 * 1 + 2 and said and "broke the lock" in said[0] and "lost-host" in said[0], said
+        lock.release()
+    finally:
+        ours.kill()
+        ours.wait()
 
 
 def test_the_heartbeat_is_written_while_the_lock_is_held(tmp_path):
@@ -360,13 +388,18 @@ def test_an_agent_with_a_live_worker_is_left_alone(monkeypatch):
      ["--rdzv-conf=join_timeout=30,read_timeout=30", "--rdzv-backend", "c10d", "-m", "trainer", "train", "a=1"]),
     (["--rdzv_backend=c10d", "--rdzv_conf=read_timeout=5", "-m", "trainer"], ["--rdzv_backend=c10d", "--rdzv_conf=read_timeout=5", "-m", "trainer"]),
     (["--standalone", "-m", "trainer"], ["--standalone", "-m", "trainer"]),
+    (["--nnodes=2:3", "--rdzv-backend=c10d", "-m", "trainer"],
+     ["--rdzv-conf=read_timeout=600,last_call_timeout=5,keep_alive_interval=3", "--nnodes=2:3", "--rdzv-backend=c10d", "-m", "trainer"]),
+    (["--nnodes=2:3", "--rdzv-backend=c10d", "--rdzv-conf=last_call_timeout=20,read_timeout=9,keep_alive_interval=5", "-m", "trainer"],
+     ["--nnodes=2:3", "--rdzv-backend=c10d", "--rdzv-conf=last_call_timeout=20,read_timeout=9,keep_alive_interval=5", "-m", "trainer"]),
 ])
-def test_store_reads_wait_as_long_as_the_rendezvous(argv, expected):
+def test_store_reads_wait_as_long_as_the_rendezvous_and_elastic_groups_re_form_soon(argv, expected):
     """A store read that times out on a cut link leaves the agent's connection out of step
-    (tests/test_hosts.py shows the job ending): reads wait as long as join_timeout, unless given."""
-    from trainer.supervisor import with_long_store_reads
+    (tests/test_hosts.py shows the job ending): reads wait as long as join_timeout, unless given.
+    An elastic range re-forms 5 s after its MIN nodes are back, unless given."""
+    from trainer.supervisor import with_rdzv_defaults
 
-    assert with_long_store_reads(argv) == expected
+    assert with_rdzv_defaults(argv) == expected
 
 
 def test_workers_keep_node_caches_on_the_volume(tmp_path, monkeypatch):
@@ -395,3 +428,32 @@ def test_workers_keep_node_caches_on_the_volume(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPYCACHEPREFIX", str(tmp_path / "mine"))  # the caller's own settings win
     monkeypatch.setenv("CUDA_CACHE_PATH", str(tmp_path / "nv"))
     assert node_cache_env(args, probe="mod_without_bytecode") == {}
+
+
+def test_an_elastic_range_that_does_not_split_the_batch_is_refused_before_torchrun(tmp_path):
+    """Found at launch on every node, in one line with the fix, not when a node joins mid-run."""
+    t0 = time.time()
+    p = run(trainer_cmd("torchrun", "--nnodes=2:3", "--nproc-per-node=1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:1",
+                        "-m", "trainer", "train", "--config", "configs/smoke.yaml", "train.batch_size=64", f"checkpoint.dir={tmp_path / 'ck'}"),
+            check=False, timeout=60)
+    assert p.returncode == 2, p.stderr
+    lines = [x for x in p.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: train.batch_size=64 does not split over 3 node(s)") and "train.batch_size=66" in lines[0], p.stderr
+    assert not (tmp_path / "ck").exists() and time.time() - t0 < 30  # no torchrun, no rendezvous wait
+
+
+def test_the_verdict_reads_the_newest_group_and_a_killed_group_is_no_preemption(tmp_path):
+    """An elastic re-form keeps torchrun's restart count: each group's records are its own (the
+    round's store port), the newest one decides, and a group killed before it recorded an exit
+    (its start records left) is a crash, not the 75 of the group before it."""
+    def write(name: str, code: int, age: float) -> None:
+        (tmp_path / name).write_text(f"{code}\n")
+        os.utime(tmp_path / name, (time.time() - age, time.time() - age))
+
+    for rank in range(3):
+        write(f"0.29500-{rank}", EXIT_PREEMPTED, 20)  # the group of three stopped for a re-form
+    assert recorded(tmp_path) == [EXIT_PREEMPTED] * 3
+    for rank in range(2):
+        write(f"0.29611-{rank}", supervisor.EXIT_RUNNING, 5)  # the group of two started, then was killed
+    assert sorted(recorded(tmp_path)) == [supervisor.EXIT_RUNNING] * 2
+    assert verdict(1, recorded(tmp_path)) == 1

@@ -35,6 +35,62 @@ def test_the_bound_grows_with_the_slowest_pause_and_nothing_fires_before_the_fir
     assert dog._thread is None and not list(tmp_path.iterdir())
 
 
+def test_a_recovered_stall_raises_no_bound_and_is_left_out_of_the_pace(tmp_path):
+    """A 120 s link cut ridden out is a stall, not the run's pace: the bound stays the setting (it
+    became 10 x 121 s before), and the progress lines leave its time out."""
+    dog = Watchdog(180, tmp_path, 0, timeout_s=300)
+    for _step in range(1, 11):
+        dog._pause(0.1, True)
+        dog._last_was_step = True
+    dog._pause(121.0, True)
+    assert dog.slowest == pytest.approx(0.1) and dog.bound() == 180
+    assert dog.stalled_s == pytest.approx(120.9)
+    dog._pause(0.1, True)
+    assert dog.stalled_s == pytest.approx(120.9)  # an ordinary step adds nothing
+
+
+def test_slow_steps_raise_the_bound_but_never_past_the_collective_timeout(tmp_path):
+    dog = Watchdog(30, tmp_path, 0, timeout_s=300)
+    for _ in range(5):
+        dog._pause(8.0, True)  # slow by nature: every step
+    assert dog.stalled_s == 0 and dog.bound() == pytest.approx(80)
+    for _ in range(5):
+        dog._pause(40.0, True)
+    assert dog.bound() == pytest.approx(0.9 * 300)  # 10 x 40 s would pass dist.timeout_s
+    assert Watchdog(30, tmp_path, 0).bound() == 30  # no collective timeout given: no ceiling
+
+
+STALL_THEN_BLOCK = """
+import sys, time
+from pathlib import Path
+from trainer.watchdog import Watchdog
+dog = Watchdog(3, Path(sys.argv[1]), 0, timeout_s=60)
+for step in range(1, 21):
+    time.sleep(0.02)
+    dog.beat(step)
+time.sleep(2.5)  # a stall the run recovers from (a cut link, a slow read), under the bound
+dog.beat(21)
+print("stalled", round(dog.stalled_s, 1), "bound", round(dog.bound(), 1), flush=True)
+t = time.monotonic()
+dog.at("data")
+time.sleep(600)  # then a read that blocks for good
+"""
+
+
+def test_after_a_recovered_stall_a_hang_is_still_caught_within_the_setting(tmp_path):
+    p = subprocess.Popen([sys.executable, "-c", STALL_THEN_BLOCK, str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=env(), cwd=ROOT)
+    first = p.stdout.readline()
+    t_block = time.monotonic()
+    code = p.wait(timeout=60)
+    caught = time.monotonic() - t_block
+    assert code == EXIT_HUNG and first.split()[:2] == ["stalled", first.split()[1]] and float(first.split()[1]) >= 2, (first, p.stderr.read())
+    assert "bound 3.0" in first  # the stall raised nothing (10 x 2.5 s = 25 s before)
+    assert caught < 3 + 10  # the setting, a tick, and a loaded machine's slack: far below the 25 s a stall-raised bound gave
+    line = [x for x in p.stderr.read().splitlines() if x.startswith("rank 0")]
+    assert line and "blocked in its own data read" in line[0], line
+
+
 def test_off_with_zero(tmp_path):
     dog = Watchdog(0, tmp_path, 0)
     dog.beat(1)
@@ -71,7 +127,7 @@ def test_a_blocked_worker_writes_its_stacks_and_exits_124(tmp_path):
     assert time.time() - t0 < 2 + 10  # the bound, a tick, and the interpreter's start
     stacks = (tmp_path / "hang-rank5.txt").read_text()
     assert "rank 5" in stacks and "after step 41" in stacks and "read_that_blocks" in stacks and 'File "<string>"' in stacks
-    line = [x for x in p.stderr.splitlines() if x.startswith("rank 5:")]
+    line = [x for x in p.stderr.splitlines() if x.startswith("rank 5 (")]
     assert line and "dist.hang_timeout_s" in line[0] and str(tmp_path / "hang-rank5.txt") in line[0], p.stderr
 
 
@@ -168,7 +224,7 @@ def test_the_only_worker_stopped_with_sigstop_is_restarted_within_its_bound_plus
 def test_a_data_read_that_blocks_on_one_rank_leaves_every_ranks_stacks_and_the_job_finishes(ckpt):
     out = follow(launch(ckpt, 2, {"TRAINER_FAULT": "batch@40:sleep=600", "TRAINER_FAULT_RANK": "1"}))
     assert "done: step 384" in out, out[-3000:]
-    assert re.search(r"rank 1: no training progress for \d+ s after step 39", out), out[-3000:]
+    assert re.search(r"rank 1 \([^)]+\): no training progress for \d+ s after step 39", out), out[-3000:]
     blocked = (ckpt / "hang-rank1.txt").read_text()
     assert "crash_point" in blocked and "train_epoch" in blocked  # the read that blocked, in the loop
     waiting = (ckpt / "hang-rank0.txt").read_text()  # rank 0 waited for it in a collective, and says where
@@ -183,3 +239,61 @@ def test_a_checkpoint_write_that_blocks_is_caught_and_the_job_finishes(ckpt):
     stacks = (ckpt / "hang-rank0.txt").read_text()
     assert "after step 64" in stacks and "crash_point" in stacks and "save" in stacks
     assert not (ckpt / "step-64").exists() or (ckpt / "step-64" / "state.pt").is_file()
+
+
+# ------------------------------------------------------------------------------------------------
+# Whom a rank waited for: every rank's record in a real store (torch's TCPStore on loopback)
+
+
+@pytest.fixture
+def store(monkeypatch):
+    import torch.distributed as dist
+    from conftest import free_port
+
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setattr(watchdog, "PUBLISH_S", 0.1)
+    monkeypatch.setattr(watchdog, "TICK_S", 0.1)
+    yield server
+
+
+def observe_for(peers: watchdog.Peers, seconds: float, others=()) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for other, phase in others:
+            other.publish(12, phase)
+        peers.observe()
+        time.sleep(0.05)
+
+
+def test_a_rank_whose_record_stops_is_named_with_its_host(store):
+    waiting, stopped = watchdog.Peers(0, 2), watchdog.Peers(1, 2)
+    stopped.host = "node2"
+    stopped.publish(12, "step")  # then nothing: SIGSTOP, a frozen container, a lost host
+    waiting.publish(13, "step")
+    observe_for(waiting, 0.6)
+    clause = waiting.culprit(13)
+    assert "waiting for rank 1 (node2)" in clause and "has not run" in clause, clause
+
+
+def test_a_rank_blocked_in_its_data_read_is_named(store):
+    waiting, reading = watchdog.Peers(0, 2), watchdog.Peers(1, 2)
+    reading.host = "node2"
+    observe_for(waiting, 0.6, others=[(reading, "data")])  # alive (its watchdog thread writes), its main thread in a read
+    clause = waiting.culprit(13)
+    assert "rank 1 (node2), blocked in its data read at step 12" in clause, clause
+    observe_for(waiting, 0.3, others=[(reading, "step")])
+    assert "every rank is alive" in waiting.culprit(12)
+
+
+def test_a_store_that_does_not_answer_names_rank_0s_host(monkeypatch):
+    from conftest import free_port
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))  # nobody listens: rank 0's process is stopped or its host gone
+    monkeypatch.setattr(watchdog, "STORE_TIMEOUT_S", 1.0)
+    peers = watchdog.Peers(1, 2)
+    peers.observe()
+    assert "does not answer" in peers.culprit(5) and "rank 0" in peers.culprit(5)

@@ -361,8 +361,13 @@ class FolderLock:
             return {}
 
     def _stale(self, info: dict) -> bool:
-        """A holder on another host that has not written its heartbeat for stale_s (a dead host)."""
-        return bool(info) and info.get("host") != socket.gethostname() and time.time() - info.get("heartbeat", 0) > self.stale_s
+        """A holder on another host that has not written its heartbeat for stale_s (a dead host),
+        or for two heartbeats when it is this job's own earlier rank 0 (its host was lost, and the
+        group re-formed with rank 0 elsewhere)."""
+        if not info or info.get("host") == socket.gethostname():
+            return False
+        age = time.time() - info.get("heartbeat", 0)
+        return age > self.stale_s or (_same_job(info) and age > 2 * self.heartbeat_s)
 
     def _busy(self, info: dict) -> CheckpointError:
         return CheckpointError(f"checkpoint.dir={self.root} is in use by another run ({_holder_text(info)}); stop that run, or set checkpoint.dir to another folder")
@@ -404,9 +409,11 @@ class FolderLock:
         """Take the lock for this process, or raise CheckpointError naming the holder (after
         waiting up to ``wait_s`` for it to go: a restarted group's old rank 0 may still be exiting)."""
         self.root.mkdir(parents=True, exist_ok=True)
-        deadline = time.monotonic() + wait_s
+        start = time.monotonic()
         while (fd := self._try()) is None:
             info = self._read()
+            # this job's earlier rank 0 (a re-form moved rank 0): wait until its heartbeat goes stale
+            deadline = start + (max(wait_s, 3 * self.heartbeat_s) if _same_job(info) else wait_s)
             if self._stale(info):
                 aside = self.path.with_name(f"{LOCK}.stale-{time.time_ns()}")
                 self.path.rename(aside)
@@ -440,6 +447,11 @@ class FolderLock:
         if self._fd is not None:
             os.close(self._fd)  # closing the last fd drops the flock
             self._fd = None
+
+
+def _same_job(info: dict) -> bool:
+    """The lock's holder is a worker of this torchrun job (same rendezvous id)."""
+    return info.get("run_id") not in (None, "", "none") and info.get("run_id") == os.environ.get("TORCHELASTIC_RUN_ID")
 
 
 def _pid_alive(pid: int) -> bool:

@@ -23,8 +23,8 @@ import time
 
 import click
 
-from trainer.config import ConfigError, check_batch, check_devices, explain, load_config, to_yaml
-from trainer.supervisor import EXIT_USAGE, gpu_count, record_exit, stamp_command_start, supervised, writable_home
+from trainer.config import ConfigError, check_batch, check_devices, check_world_range, explain, load_config, to_yaml
+from trainer.supervisor import EXIT_CRASH, EXIT_USAGE, gpu_count, record_exit, record_start, stamp_command_start, supervised, writable_home
 
 _LOCAL_RANK = re.compile(r"^--local[-_]rank(=(\d+))?$")
 
@@ -85,12 +85,18 @@ def train(config_file, overrides):
 
         die_with_parent()
     cfg = load_config(config_file, overrides)
-    from trainer.dist import setup, teardown
+    from pathlib import Path
+
+    from trainer import crash
+    from trainer.dist import gather_hosts, setup, teardown
     from trainer.loop import Trainer
     from trainer.setup import build
 
     rt = setup(cfg)
+    record_start()  # a group killed before its workers record an exit is not taken for the one before it
+    run, hosts, line = None, [], ""
     try:
+        hosts = gather_hosts(rt)  # rank -> host and addresses, to name a peer that is lost later
         run = build(cfg, rt, started)
         try:
             code = Trainer(run).fit()
@@ -98,9 +104,17 @@ def train(config_file, overrides):
             run.watchdog.close()
             run.checkpointer.close()
             run.metrics.close()
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a crash: one line here, the traceback in the run folder
+        line = crash.report(e, Path(cfg.checkpoint.dir), rt.rank, run.state.step if run else None, hosts, cfg.dist.timeout_s,
+                            run.watchdog.peers if run else None)
+        if rt.local_rank == 0 or not crash.LOST.search(str(e)):  # a lost peer: once per node
+            click.echo(line, err=True)
+        code = EXIT_CRASH
     finally:
         teardown()
-    record_exit(code)
+    record_exit(code, line)
     sys.exit(code)
 
 
@@ -126,10 +140,13 @@ def config(show_keys, config_file, overrides):
 
 
 @main.command()
+@click.option("--nnodes", default="1", show_default=True, help="Nodes the job runs on, N or MIN:MAX (elastic): every size must split the batch.")
+@click.option("--nproc-per-node", default=1, show_default=True, help="Processes per node.")
 @config_options
-def check(config_file, overrides):
+def check(nnodes, nproc_per_node, config_file, overrides):
     """Validate config and inputs without training (launchers run this before torchrun)."""
     cfg = load_config(config_file, overrides)  # usage errors before torch is imported
+    check_world_range(cfg, nnodes, nproc_per_node)
     from trainer.check import preflight
 
     preflight(cfg)

@@ -15,6 +15,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import math
 import os
 import sys
 import types
@@ -182,9 +183,10 @@ class DistConfig:
     after which a worker writes its Python stacks to <run folder>/hang-rank<R>.txt and exits as a
     crash (124), so the launcher restarts from the newest checkpoint: a blocked read or write, a
     deadlock, a stopped process, also with one process where no collective times out. Raised to 10x
-    the longest pause seen so far in the run; armed after the first step (compilation is not
-    watched); 0 turns it off. Below dist.timeout_s, so a hang leaves stacks before the collective
-    timeout fires."""
+    the longest ordinary pause seen so far in the run (a stall the run recovered from does not
+    count), never past 0.9 x dist.timeout_s; armed after the first step (compilation is not
+    watched); 0 turns it off. Must be below dist.timeout_s, so a hang leaves stacks before the
+    collective timeout fires."""
     bucket_mb: int = 25
     """DDP gradient bucket size in MB."""
     gradient_as_bucket_view: bool = True
@@ -296,6 +298,9 @@ class Config:
         for key, value in non_negative.items():
             if value < 0:
                 raise ConfigError(f"{key}={value} must not be negative")
+        if 0 < self.dist.timeout_s <= self.dist.hang_timeout_s:
+            raise ConfigError(f"dist.hang_timeout_s={self.dist.hang_timeout_s:g} must be below dist.timeout_s={self.dist.timeout_s}, so that a hang "
+                              "leaves its stacks before the collective timeout ends the group; lower it or raise dist.timeout_s")
         if self.optim.momentum >= 1:
             raise ConfigError(f"optim.momentum={self.optim.momentum} must be below 1")
         if self.optim.label_smoothing >= 1:
@@ -528,3 +533,30 @@ def check_batch(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"train.batch_size={b} is smaller than the world size {w}; use at least {w}")
     if b % w:
         raise ConfigError(f"train.batch_size={b} is not a multiple of the world size {w}; use {b - b % w} or {b + w - b % w}")
+
+
+def node_range(nnodes: str) -> tuple[int, int]:
+    """torchrun's --nnodes N or MIN:MAX as (MIN, MAX); raises ConfigError naming the fix."""
+    lo, sep, hi = str(nnodes).partition(":")
+    hi = hi if sep else lo
+    if not lo.isdigit() or not hi.isdigit() or not 1 <= int(lo) <= int(hi):
+        raise ConfigError(f"--nnodes={nnodes} must be N or MIN:MAX with 1 <= MIN <= MAX (e.g. 2 or 2:4)")
+    return int(lo), int(hi)
+
+
+def check_world_range(cfg: Config, nnodes: str, nproc_per_node: int) -> None:
+    """Every world size an elastic job may take (each node count in MIN..MAX times the processes
+    per node) splits the global batch evenly: refused at launch, never found when a node joins."""
+    lo, hi = node_range(nnodes)
+    if lo == hi:
+        check_batch(cfg, lo * nproc_per_node)
+        return
+    sizes = [n * nproc_per_node for n in range(lo, hi + 1)]
+    b = cfg.train.batch_size
+    bad = [w for w in sizes if b < w or b % w]
+    if bad:
+        lcm = math.lcm(*sizes)
+        fit = max(lcm, round(b / lcm) * lcm)
+        raise ConfigError(f"train.batch_size={b} does not split over {bad[0] // nproc_per_node} node(s) x {nproc_per_node} process(es) "
+                          f"(--nnodes {nnodes}): every size the elastic job may take ({', '.join(map(str, sizes))} processes) must "
+                          f"divide it; use train.batch_size={fit} or a node range whose sizes all divide {b}")

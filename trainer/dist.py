@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer.config import Config, ConfigError, check_batch, check_devices
+from trainer.config import Config, ConfigError, check_batch, check_devices, check_world_range
 
 DIST_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -109,6 +109,8 @@ def setup(cfg: Config) -> Runtime:
     """Resolve, then bind the GPU and join the process group (with the collective timeout)."""
     rt = resolve(cfg)
     check_batch(cfg, rt.world_size)
+    if ":" in os.environ.get("TRAINER_NNODES", "") and "LOCAL_WORLD_SIZE" in os.environ:  # an elastic job: every size it may take
+        check_world_range(cfg, os.environ["TRAINER_NNODES"], int(os.environ["LOCAL_WORLD_SIZE"]))
     if rt.cuda:
         torch.cuda.set_device(rt.device)
     if rt.distributed and not dist.is_initialized():
@@ -150,6 +152,21 @@ def all_reduce_sum(rt: Runtime, t: torch.Tensor) -> torch.Tensor:
     if rt.collectives:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
+
+
+def gather_hosts(rt: Runtime) -> list[tuple[str, list[str]]]:
+    """Every rank's host name and addresses, in rank order (one small all-gather when the group
+    forms): a worker that loses a peer later names it from the address in the error."""
+    import socket
+
+    from trainer.crash import host_addresses
+
+    mine = (socket.gethostname(), host_addresses())
+    if not rt.collectives:
+        return [mine]
+    gathered: list = [None] * rt.world_size
+    dist.all_gather_object(gathered, mine)
+    return gathered
 
 
 def agree(rt: Runtime, error: BaseException | None) -> None:

@@ -16,16 +16,18 @@ from trainer.evaluate import evaluate
 from trainer.metrics import StepProfiler, StepTimer, plot_curves, since_command
 from trainer.setup import Run
 from trainer.stop import crash_point
-from trainer.supervisor import EXIT_PREEMPTED
+from trainer.supervisor import EXIT_PREEMPTED, stopped_by_torchrun
 
 
 class LogWindow:
     """Loss and steps since the last log line; the loss is summed on the device (no sync a step)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, stalled_s: float = 0.0):
         self.loss = torch.zeros((), device=device)
         self.steps = 0
         self.start = time.perf_counter()
+        self.stalled_s = stalled_s
+        """The watchdog's stall count at the window's start: stalls are left out of images/s and the ETA."""
 
     def add(self, loss: torch.Tensor) -> None:
         self.loss += loss
@@ -34,9 +36,9 @@ class LogWindow:
     def due(self, step: int, every: int, seconds: float) -> bool:
         return step % every == 0 or bool(seconds and time.perf_counter() - self.start >= seconds)  # a host clock read, no sync
 
-    def reset(self, now: float) -> None:
+    def reset(self, now: float, stalled_s: float) -> None:
         self.loss.zero_()
-        self.steps, self.start = 0, now
+        self.steps, self.start, self.stalled_s = 0, now, stalled_s
 
 
 class Trainer:
@@ -55,7 +57,11 @@ class Trainer:
         while self.state.epoch < self.cfg.train.epochs and not self.done_steps():
             if self.train_epoch(self.state.epoch):
                 self.save(sync=True)
-                self.r.say.line(f"stopped by {self.r.stop.signal_name} at step {self.state.step}; checkpoint saved, exit {EXIT_PREEMPTED}")
+                if stopped_by_torchrun():  # not a preemption: the group goes on at its new size
+                    self.r.say.line(f"stopped by torchrun for a re-form of the group at step {self.state.step}; checkpoint saved, "
+                                    "the re-formed group resumes from it")
+                else:
+                    self.r.say.line(f"stopped by {self.r.stop.signal_name} at step {self.state.step}; checkpoint saved, exit {EXIT_PREEMPTED}")
                 return EXIT_PREEMPTED
             self.end_epoch()
         self.finish()
@@ -145,7 +151,7 @@ class Trainer:
         r, cfg, st = self.r, self.cfg, self.state
         r.net.train()
         self.timer.reset()
-        loss_sum, window = torch.zeros((), device=self.rt.device), LogWindow(self.rt.device)
+        loss_sum, window = torch.zeros((), device=self.rt.device), LogWindow(self.rt.device, r.watchdog.stalled_s)
         steps = 0
         self.resumed_at = st.epoch_step  # > 0: this epoch's figures cover only the steps after a resume
         t_epoch = time.perf_counter()
@@ -153,12 +159,14 @@ class Trainer:
         while True:
             self.profiler.before_step()
             d0 = self.timer.mark()
+            r.watchdog.at("data")  # named if it hangs here
             with record_function("step.data"):
                 crash_point("batch", st.step + 1)  # fault injection (tests): a read that blocks
                 batch = next(batches, None)  # augmented on the device: by the epoch, or by the step from host memory
             if batch is None:
                 break
             d1 = self.timer.mark()
+            r.watchdog.at("step")
             loss = self.train_step(batch[0], batch[1])
             self.timer.add(d0, d1, self.timer.mark())
             st.step += 1
@@ -194,13 +202,15 @@ class Trainer:
     def log(self, epoch: int, window: LogWindow) -> None:
         r, cfg, step = self.r, self.cfg, self.state.step
         value = (window.loss / window.steps).item()  # CPU-GPU sync point, once per log line
-        now = time.perf_counter()
-        ips = window.steps * cfg.train.batch_size / (now - window.start)
-        eta = (r.total_steps - step) * (now - window.start) / window.steps
-        r.say.step(epoch, cfg.train.epochs, self.state.epoch_step, r.steps_per_epoch, value, ips, eta)
-        r.metrics.write({"event": "log", "epoch": epoch, "step": step, "loss": round(value, 5),
-                         "images_per_s": round(ips, 1), "window_steps": window.steps, "lr": r.schedule.get_last_lr()[0]})
-        window.reset(now)
+        now, stalled = time.perf_counter(), r.watchdog.stalled_s
+        stall = stalled - window.stalled_s  # a link cut ridden out, a slow read: not the run's pace
+        busy = max(now - window.start - stall, 1e-9)
+        ips = window.steps * cfg.train.batch_size / busy
+        eta = (r.total_steps - step) * busy / window.steps
+        r.say.step(epoch, cfg.train.epochs, self.state.epoch_step, r.steps_per_epoch, value, ips, eta, stall)
+        r.metrics.write({"event": "log", "epoch": epoch, "step": step, "loss": round(value, 5), "images_per_s": round(ips, 1),
+                         "window_steps": window.steps, "stalled_s": round(stall, 3), "lr": r.schedule.get_last_lr()[0]})
+        window.reset(now, stalled)
 
     def summarize(self, steps: int, loss_sum: torch.Tensor, t_epoch: float) -> dict:
         """The epoch's figures: mean loss over every rank, time, throughput, data and step time."""
@@ -222,6 +232,7 @@ class Trainer:
         last = epoch + 1 == cfg.train.epochs or self.done_steps()
         test_loss = test_acc = None
         if last or (epoch + 1) % cfg.train.eval_every == 0:
+            self.r.watchdog.at("eval")
             parallel.sync_buffers(self.r.model, self.rt)
             test_loss, test_acc = evaluate(self.r.model, self.r.test_split, self.cfg, self.rt, self.r.augment, self.r.fast.bf16,
                                           self.r.watchdog.beat)
@@ -255,6 +266,7 @@ class Trainer:
         r, st = self.r, self.state
         if self.last_saved == st.step:
             return
+        r.watchdog.at("save")
         done = r.checkpointer.save(st.step, sync)
         if done is not None:
             r.metrics.write({"event": "checkpoint", "step": st.step, "stall_s": round(done[0], 4), "async": done[1]})

@@ -203,12 +203,15 @@ class Progress:
         self.enabled = enabled
         self.tty = enabled and sys.stdout.isatty()
 
-    def step(self, epoch: int, epochs: int, step: int, steps: int, loss: float, images_per_s: float, eta_s: float | None = None) -> None:
+    def step(self, epoch: int, epochs: int, step: int, steps: int, loss: float, images_per_s: float, eta_s: float | None = None,
+             stalled_s: float = 0.0) -> None:
         if not self.enabled:
             return
         text = f"epoch {epoch + 1}/{epochs} step {step}/{steps} loss {loss:.4f} {images_per_s:,.0f} img/s"
         if eta_s is not None:
             text += f" eta {duration(eta_s)}"
+        if stalled_s >= 1:
+            text += f" ({duration(stalled_s)} stalled, left out)"
         if self.tty:
             done = int(30 * step / max(1, steps))
             print(f"\r[{'#' * done}{'.' * (30 - done)}] {text}", end="", flush=True)

@@ -121,7 +121,9 @@ def record_exit(code: int, message: str = "") -> None:
     folder = os.environ.get(EXIT_DIR_ENV)
     if not folder:
         return
-    name = f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}-{os.environ.get('RANK', '0')}"
+    # one group of workers: torchrun's restart count, and the store port of its rendezvous round (a
+    # re-form of an elastic group keeps the count; each round's store is new)
+    name = f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}.{os.environ.get('MASTER_PORT', '0')}-{os.environ.get('RANK', '0')}"
     try:
         tmp = Path(folder) / f".{name}.tmp"
         tmp.write_text(f"{code}\n{message}")
@@ -130,17 +132,36 @@ def record_exit(code: int, message: str = "") -> None:
         pass
 
 
+EXIT_RUNNING = -1
+"""What a worker records when it starts: a group whose records still say so at the end was killed."""
+SIGNALLED = "signalled"
+"""A file in the exit folder: the supervisor passed a signal on (a stop without it is torchrun's own)."""
+
+
+def record_start() -> None:
+    record_exit(EXIT_RUNNING)
+
+
+def stopped_by_torchrun() -> bool:
+    """True in a supervised worker stopped by torchrun itself (a re-form of an elastic group: a node
+    joined or left), not by a signal to the job."""
+    folder = os.environ.get(EXIT_DIR_ENV)
+    return bool(folder) and not (Path(folder) / SIGNALLED).exists()
+
+
 def _records(folder: Path) -> list[tuple[int, str]]:
-    """(exit code, error line) of each worker of the newest attempt."""
-    found: dict[int, list[tuple[int, str]]] = {}
+    """(exit code, error line) of each worker of the newest group (the one that wrote last)."""
+    found: dict[str, list[tuple[int, str]]] = {}
+    newest: dict[str, float] = {}
     for p in folder.glob("[0-9]*-*"):
-        attempt, _, _ = p.name.partition("-")
+        group, _, _ = p.name.partition("-")
         try:
             code, _, message = p.read_text().partition("\n")
-            found.setdefault(int(attempt), []).append((int(code), message))
+            found.setdefault(group, []).append((int(code), message))
+            newest[group] = max(newest.get(group, 0.0), p.stat().st_mtime)
         except (OSError, ValueError):
             continue
-    return found[max(found)] if found else []
+    return found[max(newest, key=newest.get)] if found else []
 
 
 def recorded(folder: Path) -> list[int]:
@@ -197,6 +218,10 @@ def kill_hung_workers(folder: Path, margin_s: float = HEARTBEAT_MARGIN_S) -> lis
     return said
 
 
+ELASTIC_LAST_CALL_S = 5
+"""An elastic group re-forms this long after its MIN nodes are back (torchrun's default: 30 s)."""
+ELASTIC_KEEP_ALIVE_S = 3
+"""Seconds between an elastic job's rendezvous keep-alives (torchrun's default: 5 s)."""
 LOST_RENDEZVOUS_MARGIN_S = 60.0
 """Past the longest legitimate wait of an agent without workers (its rendezvous' join_timeout)."""
 
@@ -242,6 +267,20 @@ def _has_children(pid: int) -> bool | None:
         except OSError:
             continue
     return any(not (_process_state(int(c)) or "Z").startswith(("Z", "X")) for c in children)
+
+
+def kill_children(pid: int) -> None:
+    """SIGKILL every live child of ``pid`` (torchrun's workers): torchrun then restarts its group."""
+    for f in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            children = [int(c) for c in f.read_text().split()]
+        except OSError:
+            continue
+        for c in children:
+            try:
+                os.kill(c, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def _process_state(pid: int) -> str | None:
@@ -359,6 +398,35 @@ def missing_mount() -> str | None:
     return None
 
 
+NNODES_ENV = "TRAINER_NNODES"
+"""The job's --nnodes (N or MIN:MAX), for the workers' own check of every world size it may take."""
+
+
+def processes_per_node(argv: list[str]) -> int:
+    """torchrun's --nproc-per-node as a number (gpu and auto count this node's GPUs, as torchrun does)."""
+    value = _option(argv, "nproc-per-node", "1")
+    if value.isdigit():
+        return int(value)
+    gpus = gpu_count()
+    return gpus if value == "gpu" or (value == "auto" and gpus) else os.cpu_count() or 1
+
+
+def world_range_problem(argv: list[str]) -> str | None:
+    """The one-line error for a node range (--nnodes MIN:MAX) some of whose sizes do not split the
+    global batch: found here, before any node starts, not when a node joins mid-run."""
+    from trainer.config import ConfigError, check_world_range
+
+    nnodes = _option(argv, "nnodes", "1")
+    cfg = _training_config(argv) if ":" in nnodes else None
+    if cfg is None:
+        return None
+    try:
+        check_world_range(cfg, nnodes, processes_per_node(argv))
+    except ConfigError as e:
+        return f"error: {e}"
+    return None
+
+
 def _error_file(message: str) -> None:
     """The torchelastic error file of a launcher that reads it (TorchX shows its message): our one
     line, not the traceback of the SIGTERM that stopped torchrun."""
@@ -374,7 +442,7 @@ def supervise(torchrun_args: list[str], poll_s: float = 0.5) -> int:
     """Run ``torchrun ARGS`` and return the contract's exit code (see the module docstring)."""
     if warning := slurm.cpu_shortfall():
         print(warning, file=sys.stderr, flush=True)
-    if (error := missing_mount() or slurm.margin_problem()) is not None:
+    if (error := missing_mount() or slurm.margin_problem() or world_range_problem(torchrun_args)) is not None:
         print(error, file=sys.stderr, flush=True)
         _error_file(error)
         if slurm.supervising():
@@ -383,10 +451,11 @@ def supervise(torchrun_args: list[str], poll_s: float = 0.5) -> int:
     exit_dir = Path(tempfile.mkdtemp(prefix="trainer-exit-"))
     # torchrun's restarts would reuse the c10d rendezvous store, whose stale keys from the failed
     # attempt make the new group connect to dead ranks (pytorch issue 167288): a fresh store each time
-    env = {SHARED_STORE_ENV: "1", **os.environ, EXIT_DIR_ENV: str(exit_dir), **node_cache_env(torchrun_args)}
+    env = {SHARED_STORE_ENV: "1", **os.environ, EXIT_DIR_ENV: str(exit_dir), NNODES_ENV: _option(torchrun_args, "nnodes", "1"),
+           **node_cache_env(torchrun_args)}
     if "PYTHONPYCACHEPREFIX" in env:
         env.pop("PYTHONDONTWRITEBYTECODE", None)  # written under the prefix, on the volume, only
-    torchrun_args = with_long_store_reads(torchrun_args)
+    torchrun_args = with_rdzv_defaults(torchrun_args)
     cmd = [sys.executable, "-m", "trainer.supervisor", *torchrun_args]  # torchrun itself, see _torchrun
     got: list[int] = []
 
@@ -398,6 +467,7 @@ def supervise(torchrun_args: list[str], poll_s: float = 0.5) -> int:
             print("second Ctrl-C: stopping at once (the save in progress is lost; earlier checkpoints stay)", file=sys.stderr, flush=True)
             proc.kill()  # the workers follow (PR_SET_PDEATHSIG)
         elif len(got) == 1:  # torchrun forwards it to every worker; a repeat would only disturb its shutdown
+            (exit_dir / SIGNALLED).touch()
             print(f"{signal.Signals(signum).name} received: the workers stop after their current step and save a checkpoint "
                   "(Ctrl-C again stops at once)", file=sys.stderr, flush=True)
             proc.send_signal(FORWARDED[signum])
@@ -428,13 +498,14 @@ def supervise(torchrun_args: list[str], poll_s: float = 0.5) -> int:
 
 
 def _option(argv: list[str], name: str, default: str = "") -> str:
-    """A torchrun option's value, spelt --name=V, --name V, or with underscores."""
+    """A torchrun option's value, spelt --name=V, --name V, or with underscores; else, as torchrun
+    reads it, from PET_NAME in the environment (what the Kubeflow operators set: PET_NNODES ...)."""
     names = {f"--{name}", f"--{name.replace('-', '_')}"}
     for i, a in enumerate(argv):
         key, eq, value = a.partition("=")
         if key in names:
             return value if eq else (argv[i + 1] if i + 1 < len(argv) else default)
-    return default
+    return os.environ.get("PET_" + name.upper().replace("-", "_"), default)
 
 
 def _endpoint(argv: list[str]) -> str:
@@ -447,17 +518,27 @@ def rdzv_conf(argv: list[str]) -> dict[str, str]:
     return dict(kv.split("=", 1) for kv in _option(argv, "rdzv-conf").split(",") if "=" in kv)
 
 
-def with_long_store_reads(argv: list[str]) -> list[str]:
-    """torchrun's arguments with c10d store reads that wait as long as the rendezvous does
-    (read_timeout = join_timeout, unless given). With the default 60 s, a read that times out on a
-    cut link leaves the agent's store connection out of step: when the link comes back, the agent
-    fails and closes the rendezvous for every node, so a cut over a minute would end the job."""
+def with_rdzv_defaults(argv: list[str]) -> list[str]:
+    """torchrun's arguments with rendezvous settings that suit a cluster job, where not given:
+
+    - read_timeout = join_timeout: c10d store reads that wait as long as the rendezvous does. With
+      the default 60 s, a read that times out on a cut link leaves the agent's store connection out
+      of step: when the link comes back, the agent fails and closes the rendezvous for every node,
+      so a cut over a minute would end the job.
+    - for an elastic range (--nnodes MIN:MAX): last_call_timeout = ELASTIC_LAST_CALL_S, so that once
+      MIN nodes are back after a node is lost the group re-forms that much later instead of torchrun's
+      30 s (a node that comes later joins at the next re-form); keep_alive_interval =
+      ELASTIC_KEEP_ALIVE_S, so that a lost node is dropped from the rendezvous after 3 missed
+      keep-alives, 9 s instead of 15 s (one small store write per node that often)."""
     if _option(argv, "rdzv-backend") != "c10d":
         return argv
     conf = rdzv_conf(argv)
-    if "read_timeout" in conf:
+    wanted = {"read_timeout": conf.get("join_timeout", "600")}
+    if ":" in _option(argv, "nnodes", "1"):
+        wanted.update(last_call_timeout=str(ELASTIC_LAST_CALL_S), keep_alive_interval=str(ELASTIC_KEEP_ALIVE_S))
+    if all(k in conf for k in wanted):
         return argv
-    conf["read_timeout"] = conf.get("join_timeout", "600")
+    conf = {**conf, **{k: v for k, v in wanted.items() if k not in conf}}
     out, i = [], 0
     while i < len(argv):  # drop the given --rdzv-conf; the merged one goes first, among torchrun's options
         key, eq, _ = argv[i].partition("=")
@@ -469,13 +550,19 @@ def with_long_store_reads(argv: list[str]) -> list[str]:
     return [f"--rdzv-conf={','.join(f'{k}={v}' for k, v in conf.items())}", *out]
 
 
-def rendezvous_failure(argv: list[str], error: BaseException) -> str:
-    """One line for a rendezvous that could not form: what happened, where, and the fix."""
+def rendezvous_failure(argv: list[str], error: BaseException, left: list[str] | None = None) -> str:
+    """One line for a rendezvous that could not form: what happened, where, and the fix. ``left``:
+    nodes of the last group that did not come back (trainer/rendezvous.py saw them go)."""
     from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousTimeoutError
 
     endpoint = _endpoint(argv)
     nodes, job = _option(argv, "nnodes", "1"), _option(argv, "rdzv-id", "none")
     conf = rdzv_conf(argv)
+    if isinstance(error, RendezvousTimeoutError) and left:
+        return (f"torchrun: {', '.join(left)}, in the job until its last failure, did not come back to the rendezvous at {endpoint} "
+                f"(id {job}) within {conf.get('join_timeout', '600')} s: start the same command there again, or run elastic "
+                f"(--nnodes MIN:{nodes.split(':')[-1]}) so that the nodes left go on; exit {EXIT_CRASH} so that the scheduler retries "
+                "from the newest checkpoint")
     if isinstance(error, RendezvousTimeoutError):
         return (f"torchrun: the rendezvous at {endpoint} (id {job}) did not gather {nodes} nodes within "
                 f"{conf.get('join_timeout', '600')} s: start the same command on every node (same --rdzv-id, and "
@@ -491,17 +578,31 @@ def _torchrun(argv: list[str]) -> int:
     """torchrun's own main, minus the traceback it prints when a signal stops it or its rendezvous
     cannot form (the workers report what they did; the supervisor turns it into the exit code)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import main
 
+    from trainer.rendezvous import Reporter
+
+    reporter = Reporter.for_args(argv)
+    if reporter is not None:
+        reporter.start()  # says what the rendezvous waits for, while it waits
     try:
         main(argv)
     except SignalException as e:
         print(f"torchrun: stopped its workers on {signal.Signals(e.sigval).name}", file=sys.stderr, flush=True)
         return 128 + int(e.sigval)
     except RendezvousError as e:  # a crash (another node may yet come): the launcher's retry is right
-        print(rendezvous_failure(argv, e), file=sys.stderr, flush=True)
+        print(rendezvous_failure(argv, e, reporter.left if reporter else None), file=sys.stderr, flush=True)
         return EXIT_CRASH
+    except ChildFailedError as e:  # the workers said what failed, each in one line; torchrun's box repeats it
+        rank, failure = e.get_first_failure()
+        print(f"torchrun: no restart left after rank {rank} exited {failure.exitcode} (pid {failure.pid}); the workers' lines above "
+              "say what failed, their tracebacks are in the run folder (error-rank*.txt)", file=sys.stderr, flush=True)
+        return failure.exitcode if failure.exitcode > 0 else EXIT_CRASH
+    finally:
+        if reporter is not None:
+            reporter.close()
     return 0
 
 

@@ -6,9 +6,13 @@ wait in a collective, and never a job of one process. This catches the rest: a d
 checkpoint write or a file system that blocks, a deadlock, a process that was stopped.
 
 Progress is a finished training step, evaluation batch or checkpoint save (``beat()``: two clock
-reads, no sync). The bound is ``dist.hang_timeout_s``, raised to 10x the longest pause between two
-beats seen so far, so a run whose steps or saves are slow by nature is never cut short. It is
-armed by the first beat (after compilation and the first step), and watched in three places:
+reads, no sync). The bound is ``dist.hang_timeout_s``, raised to 10x the longest ordinary pause
+between two beats, so a run whose steps or saves are slow by nature is never cut short. A pause
+that the run recovered from (a link cut ridden out, a slow read: more than STALL times the median
+pause) is a stall, not the run's nature: it raises nothing, and the progress lines leave its time
+out. However slow the steps, the bound stays below ``dist.timeout_s`` (CEILING of it), so a hang
+outside a collective leaves stacks before the collective timeout. It is armed by the first beat
+(after compilation and the first step), and watched in three places:
 
 1. a thread in each worker (every second): past the bound it appends every thread's Python stack
    to ``<run folder>/hang-rank<R>.txt``, says so in one line and exits with EXIT_HUNG (124, as
@@ -19,6 +23,13 @@ armed by the first beat (after compilation and the first step), and watched in t
    (SIGSTOP, a debugger, a frozen container): the thread keeps ``$TRAINER_EXIT_DIR/hb-<rank>``
    fresh while the run progresses; a file older than the bound plus HEARTBEAT_MARGIN_S gets its
    worker killed, and a note of its process state in the same hang file.
+
+Whom a rank waited for: with other ranks, each watchdog thread also publishes its rank's host,
+step and phase (data, step, eval, save) to the job's store every PUBLISH_S (its own connection,
+with a short timeout, so a store that stops answering never blocks it). A rank whose watchdog is
+past half its bound reads the others' records, so the line it prints when it fires names the rank
+that stopped: one whose record no longer moves (stopped, frozen, or its host lost), one blocked
+in its data read, or a store that no longer answers (rank 0's host).
 """
 
 from __future__ import annotations
@@ -26,48 +37,85 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
+import socket
+import statistics
 import sys
 import threading
 import time
+from collections import deque
+from datetime import timedelta
 from pathlib import Path
 
 from trainer.supervisor import EXIT_DIR_ENV, EXIT_HUNG
 
 GROWTH = 10
-"""The bound is at least this many times the longest pause between two beats seen so far."""
+"""The bound is at least this many times the longest ordinary pause between two beats."""
+STALL = 5
+"""A pause longer than this many times the median of the recent pauses is a stall, not the run's pace."""
+HISTORY = 64
+"""Recent pauses the median is taken over."""
+CEILING = 0.9
+"""The bound never exceeds this fraction of dist.timeout_s (nor goes below dist.hang_timeout_s)."""
 TICK_S = 1.0
+PUBLISH_S = 2.0
+"""How often each rank's record goes to the job's store (a few bytes: one store write)."""
+STORE_TIMEOUT_S = 5.0
+NOTE_WAIT_S = 3.0
+"""How long a rank that lost a connection waits for the others' notes before naming the silent ones."""
 
 
 class Watchdog:
-    def __init__(self, bound_s: float, root: Path, rank: int):
+    def __init__(self, bound_s: float, root: Path, rank: int, timeout_s: float = 0.0, world_size: int = 1):
         self.bound_s, self.root, self.rank = float(bound_s), Path(root), rank
+        self.ceiling_s = max(self.bound_s, CEILING * timeout_s) if timeout_s else float("inf")
+        self.world_size = world_size
         self.last: float | None = None
         self.slowest = 0.0
+        self.stalled_s = 0.0
+        """Seconds of stalls between training steps so far (the progress lines leave them out)."""
         self.step = 0
+        self.phase = "start"
+        self._gaps: deque[float] = deque(maxlen=HISTORY)
+        self._last_was_step = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         folder = os.environ.get(EXIT_DIR_ENV)
         self._heartbeat = Path(folder) / f"hb-{rank}" if folder else None
+        self.peers = Peers(rank, world_size) if world_size > 1 else None
 
     @property
     def enabled(self) -> bool:
         return self.bound_s > 0
 
     def bound(self) -> float:
-        return max(self.bound_s, GROWTH * self.slowest)
+        return min(max(self.bound_s, GROWTH * self.slowest), self.ceiling_s)
+
+    def at(self, phase: str) -> None:
+        """What the main thread does now (data, step, eval, save): named when it hangs."""
+        self.phase = phase
 
     def beat(self, step: int | None = None) -> None:
         """Progress. The first call arms the watchdog."""
         now = time.monotonic()
+        if self.last is not None:
+            self._pause(now - self.last, step is not None)
         if step is not None:
             self.step = step
-        if self.last is not None and now - self.last > self.slowest:
-            self.slowest = now - self.last
+        self._last_was_step = step is not None
         first, self.last = self.last is None, now
         if first and self.enabled:
             self._write_heartbeat(self.bound_s)
             self._thread = threading.Thread(target=self._watch, name="hang-watchdog", daemon=True)
             self._thread.start()
+
+    def _pause(self, gap: float, is_step: bool) -> None:
+        """An ordinary pause may raise the bound; a stall (the run recovered from it) does not."""
+        stall = len(self._gaps) >= 3 and gap > STALL * statistics.median(self._gaps)
+        if stall and is_step and self._last_was_step:
+            self.stalled_s += gap - statistics.median(self._gaps)
+        self._gaps.append(gap)
+        if not stall and gap > self.slowest:
+            self.slowest = gap
 
     def close(self) -> None:
         """Disarm (the run ends): nothing fires after this."""
@@ -81,8 +129,19 @@ class Watchdog:
 
     # ---------------------------------------------------------------------------------------------
     def _watch(self) -> None:
+        published = time.monotonic()
+        if self.peers is not None:
+            self.peers.publish(self.step, self.phase)  # at once: a rank stopped a second later has a record
         while not self._stop.wait(TICK_S):
             idle, bound = time.monotonic() - self.last, self.bound()
+            if self.peers is not None:
+                if time.monotonic() - published >= PUBLISH_S:
+                    self.peers.publish(self.step, self.phase)
+                    published = time.monotonic()
+                if idle > bound / 2:
+                    self.peers.observe()
+                else:
+                    self.peers.forget()
             if idle > bound:
                 self._fire(idle, bound)
                 return
@@ -105,19 +164,141 @@ class Watchdog:
     def hang_file(self) -> Path:
         return self.root / f"hang-rank{self.rank}.txt"
 
+    def culprit(self) -> str:
+        """Whom this rank waits for, as a clause of the hang line ('' when it cannot tell)."""
+        if self.phase == "data":
+            return "; it is blocked in its own data read"
+        return self.peers.culprit(self.step) if self.peers is not None else ""
+
     def _fire(self, idle: float, bound: float) -> None:
         faulthandler.cancel_dump_traceback_later()
-        where = self.hang_file
+        where, whom = self.hang_file, self.culprit()
         try:
             with open(where, "a") as f:
-                f.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} rank {self.rank} pid {os.getpid()}: no progress for {idle:.0f} s "
-                        f"after step {self.step} (bound {bound:.0f} s); Python stacks of every thread:\n")
+                f.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} rank {self.rank} ({socket.gethostname()}) pid {os.getpid()}: "
+                        f"no progress for {idle:.0f} s after step {self.step} in phase {self.phase} (bound {bound:.0f} s){whom}; "
+                        "Python stacks of every thread:\n")
                 f.flush()
                 faulthandler.dump_traceback(f, all_threads=True)
         except OSError:
             where = "stderr (the run folder is not writable)"
             faulthandler.dump_traceback(sys.stderr, all_threads=True)
-        print(f"rank {self.rank}: no training progress for {idle:.0f} s after step {self.step} (dist.hang_timeout_s, "
-              f"bound {bound:.0f} s): stacks in {where}; exiting {EXIT_HUNG} so that the launcher restarts from the newest checkpoint",
-              file=sys.stderr, flush=True)
+        print(f"rank {self.rank} ({socket.gethostname()}): no training progress for {idle:.0f} s after step {self.step} "
+              f"(dist.hang_timeout_s, bound {bound:.0f} s){whom}; stacks in {where}; exiting {EXIT_HUNG} so that the launcher "
+              "restarts from the newest checkpoint", file=sys.stderr, flush=True)
         os._exit(EXIT_HUNG)  # the main thread is stuck: no cleanup can be trusted to finish
+
+
+class Peers:
+    """Each rank's last record in the job's store, and what they say about a hang.
+
+    A connection of its own to the store torchrun's workers share (MASTER_ADDR:MASTER_PORT, hosted
+    by rank 0's process), with a short timeout: the training's own connection may be blocked."""
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank, self.world_size, self.host = rank, world_size, socket.gethostname()
+        self._store, self._tried = None, False
+        self._prefix = f"trainer/watchdog/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"  # this attempt's ranks only
+        self._seq = 0
+        self._seen: dict[int, tuple[int, float, dict]] = {}
+        """rank -> (its record's seq when first seen so, when that was, the record)."""
+        self._since: float | None = None
+        self.unreachable = ""
+
+    def _connect(self):
+        """The connection, made once (while the store surely runs: the group has just formed). No
+        second try: a store that went away answers nothing, and torch's connect retries would
+        print pages of C++ frames on the console."""
+        if self._store is None:
+            if self._tried:
+                raise ConnectionError("the job's store did not answer")
+            self._tried = True
+            import torch.distributed as dist
+
+            socket.create_connection((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])), timeout=STORE_TIMEOUT_S).close()
+
+            self._store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                        timeout=timedelta(seconds=STORE_TIMEOUT_S), wait_for_workers=False)
+        return self._store
+
+    def publish(self, step: int, phase: str) -> None:
+        self._seq += 1
+        record = {"host": self.host, "step": step, "phase": phase, "seq": self._seq}
+        try:
+            self._connect().set(f"{self._prefix}/{self.rank}", json.dumps(record))
+        except Exception as e:  # noqa: BLE001 - a store that does not answer is itself the news
+            self.unreachable = f"{type(e).__name__}"
+
+    def note_failure(self) -> bool:
+        """Say in the store that this rank failed (and lives): False when the store does not answer."""
+        try:
+            self._connect().set(f"{self._prefix}/failed/{self.rank}", "1")
+            return True
+        except Exception:  # noqa: BLE001
+            return False
+
+    def lost(self, hosts: list[tuple[str, list[str]]], wait_s: float = NOTE_WAIT_S) -> list[tuple[int, str]] | None:
+        """After a lost connection: the ranks that are gone, not the ones that failed because of
+        them. Every rank that fails notes it in the store (``note_failure``); the ranks with no note
+        after ``wait_s`` are the lost ones. None when it cannot tell."""
+        host = lambda r: hosts[r][0] if r < len(hosts) else "?"  # noqa: E731
+        if not self.note_failure():  # the store is in rank 0's process: its host is the one lost
+            return [(0, host(0))] if self.rank != 0 else None
+        try:
+            store, deadline = self._connect(), time.monotonic() + wait_s
+            while True:
+                silent = [r for r in range(self.world_size) if r != self.rank and not store.check([f"{self._prefix}/failed/{r}"])]
+                if not silent or time.monotonic() >= deadline:
+                    return [(r, host(r)) for r in silent] or None
+                time.sleep(0.2)
+        except Exception:  # noqa: BLE001
+            return None
+
+    def forget(self) -> None:
+        self._seen.clear()
+        self._since, self.unreachable = None, ""
+
+    def observe(self) -> None:
+        """Read every other rank's record (only while this rank's own progress is overdue)."""
+        now = time.monotonic()
+        self._since = self._since or now
+        try:
+            store = self._connect()
+            for r in range(self.world_size):
+                key = f"{self._prefix}/{r}"
+                if r == self.rank or not store.check([key]):
+                    continue
+                record = json.loads(store.get(key))
+                seen = self._seen.get(r)
+                if seen is None or seen[0] != record["seq"]:
+                    self._seen[r] = (record["seq"], now, record)
+            self.unreachable = ""
+        except Exception as e:  # noqa: BLE001
+            self.unreachable = f"{type(e).__name__}"
+
+    def culprit(self, step: int) -> str:
+        """'' or a clause: the ranks that stopped, or were blocked, while this one waited."""
+        now = time.monotonic()
+        if self.unreachable:
+            return (f"; the job's store at {os.environ.get('MASTER_ADDR')} (rank 0's host) does not answer: "
+                    "rank 0 or its host is stopped, lost or cut off")
+        if self._since is None:
+            return ""
+        silent = {r: now - t for r, (_, t, _rec) in self._seen.items() if now - t > 2 * PUBLISH_S + TICK_S}
+        if silent:
+            return "; waiting for " + ", ".join(
+                f"rank {r} ({self._seen[r][2]['host']}), whose process has not run for {s:.0f} s (stopped, frozen, or its host lost)"
+                for r, s in sorted(silent.items()))
+        missing = [r for r in range(self.world_size) if r != self.rank and r not in self._seen]
+        if missing:
+            return (f"; waiting for rank(s) {', '.join(map(str, missing))}, which never reported after the group formed "
+                    "(stopped, frozen, or its host lost)")
+        reading = [r for r, (_, _, rec) in self._seen.items() if rec["phase"] == "data"]
+        if reading:
+            return "; waiting for " + ", ".join(f"rank {r} ({self._seen[r][2]['host']}), blocked in its data read at step {self._seen[r][2]['step']}"
+                                                for r in sorted(reading))
+        behind = [r for r, (_, _, rec) in self._seen.items() if rec["step"] < step]
+        if behind:
+            return "; waiting for " + ", ".join(f"rank {r} ({self._seen[r][2]['host']}), still at step {self._seen[r][2]['step']}"
+                                                for r in sorted(behind))
+        return f"; every rank is alive and waits at step {step} (a deadlock, or a link between hosts is down)"

@@ -1,0 +1,108 @@
+"""What a worker says when it fails: one line on the console, the traceback in the run folder.
+
+A lost peer (its host crashed, its link cut) reaches every surviving rank as an exception from
+deep inside autograd or a collective: gloo's ``Read error [10.1.0.11]:40567: Connection reset by
+peer``, NCCL's remote error, a collective timeout. The console gets one line that says which rank
+and host was lost or did not answer, at which step, and what happens next (torchrun restarts the
+group from the newest checkpoint, or the launcher's retry does); the whole traceback goes to
+``<run folder>/error-rank<R>.txt``. Any other crash reads the same way, naming the exception.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+
+LOST = re.compile(r"Connection reset by peer|Connection refused|Connection closed by peer|Broken pipe|Read error|Write error|"
+                  r"remote process exited|network error|ncclRemoteError|Socket Timeout|EPIPE|ECONNRESET", re.IGNORECASE)
+TIMED_OUT = re.compile(r"Timed out waiting|collective operation timeout|timed out", re.IGNORECASE)
+COLLECTIVE = re.compile(r"gloo|nccl|collective|all_?reduce|barrier|recv|send", re.IGNORECASE)
+ADDRESS = re.compile(r"\[([0-9a-fA-F.:]+)\]:\d+")
+
+
+def host_addresses() -> list[str]:
+    """This host's addresses as peers see them (its name resolved; a gloo peer in an error message
+    is one of these)."""
+    try:
+        return sorted(set(socket.gethostbyname_ex(socket.gethostname())[2]))
+    except OSError:
+        return []
+
+
+def lost_ranks(message: str, hosts: list[tuple[str, list[str]]]) -> list[tuple[int, str]]:
+    """(rank, host) of the peers whose address ``message`` names, from the table of every rank's
+    host and addresses (gathered when the group formed)."""
+    named = set(ADDRESS.findall(message))
+    return [(r, host) for r, (host, addrs) in enumerate(hosts) if named & set(addrs)]
+
+
+def what_next(root: Path | None) -> str:
+    """What happens after this worker exits: torchrun's restart, or the launcher's retry."""
+    newest = _newest_step(root)
+    where = f"from {newest}" if newest else "from the start (no checkpoint yet)"
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return f"run the same command to resume {where}"
+    left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if left > 0:
+        return f"torchrun restarts the group {where} once its nodes gather ({left} restart(s) left)"
+    return f"no torchrun restart left: the launcher's retry resumes {where}"
+
+
+def _newest_step(root: Path | None) -> str:
+    if root is None:
+        return ""
+    from trainer.checkpoint import newest_complete
+
+    try:
+        found = newest_complete(root)
+    except OSError:
+        return ""
+    return found.name if found else ""
+
+
+def describe(error: BaseException, rank: int, step: int | None, hosts: list[tuple[str, list[str]]], timeout_s: float, peers=None) -> str:
+    """The line's first half: who failed, what was lost, at which step. ``peers`` (the watchdog's
+    view of the store) tells a rank that is gone from one that failed because of it: the peer
+    whose connection broke first may only be a rank that exited on the same loss."""
+    message = f"{error}"
+    first = message.strip().splitlines()[-1][:200] if message.strip() else type(error).__name__
+    at = f" at step {step}" if step is not None else " before the first step"
+    me = f"rank {rank} ({socket.gethostname()})"
+    if not LOST.search(message) and peers is not None:
+        peers.note_failure()  # alive: the ranks that lost a connection to this one must not name it
+    if LOST.search(message):
+        lost = (peers.lost(hosts) if peers is not None else None) or [(r, h) for r, h in lost_ranks(message, hosts) if r != rank]
+        whom = ", ".join(f"rank {r} ({h})" for r, h in lost) or "a peer"
+        return f"{me}: lost {whom}{at}: {_short(first)}"
+    if TIMED_OUT.search(message) and (COLLECTIVE.search(message) or type(error).__name__.startswith("Dist")):
+        return f"{me}: a collective waited dist.timeout_s={timeout_s:g} s for a rank that did not answer{at}: {_short(first)}"
+    return f"{me}: crashed{at}: {type(error).__name__}: {_short(first)}"
+
+
+def _short(text: str) -> str:
+    """The error without the C++ source location and torch's general advice after it."""
+    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", text.strip())
+    return text.split(". This is typically caused")[0]
+
+
+def report(error: BaseException, root: Path | None, rank: int, step: int | None, hosts: list[tuple[str, list[str]]],
+           timeout_s: float, peers=None) -> str:
+    """Write the traceback to ``root/error-rank<R>.txt`` and return the console line."""
+    where = "stderr"
+    text = "".join(traceback.format_exception(error))
+    try:
+        if root is None:
+            raise OSError("no run folder yet")
+        root.mkdir(parents=True, exist_ok=True)
+        path = root / f"error-rank{rank}.txt"
+        with open(path, "a") as f:
+            f.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} rank {rank} ({socket.gethostname()}) pid {os.getpid()} step {step}\n{text}\n")
+        where = str(path)
+    except OSError:
+        print(text, file=sys.stderr, flush=True)
+    return f"{describe(error, rank, step, hosts, timeout_s, peers)}; {what_next(root)}; traceback in {where}"
