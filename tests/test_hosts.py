@@ -277,7 +277,9 @@ s = d.TCPStore("0.0.0.0", int(sys.argv[1]), is_master=True, wait_for_workers=Fal
 print("ready", flush=True)
 time.sleep(3600)
 """
-ELASTIC = ["train.batch_size=48", "train.epochs=40"]  # 48 splits over 2 and 3 processes; 10 steps an epoch
+# 48 splits over 2 and 3 processes; 10 steps an epoch; hangs left to the collective timeout, so that a
+# node lost silently is seen by the rendezvous' keep-alive, not by the hang watchdog
+ELASTIC = ["train.batch_size=48", "train.epochs=50", "dist.hang_timeout_s=100", "dist.timeout_s=200"]
 
 
 def first_of(procs: list[Proc], pattern: str, after: float = 0.0, timeout: float = 90) -> tuple[Proc, float]:
@@ -300,20 +302,23 @@ def test_an_elastic_job_goes_on_without_the_host_of_rank_0_and_grows_back_when_i
     """The host of rank 0 is lost and never comes back in time: the two others re-form at world
     size 2 from the newest checkpoint (its lock taken over) within 30 s, with the launchers'
     defaults; when the host returns, the group grows back to 3 at the step it was on (a save at the
-    re-form: no step lost). The global batch never changes, so every step trains the batch it
-    would have trained straight; the accuracy ends as a one-process run's does."""
+    re-form: no step lost). Then a node is lost silently (its cable cut, then its power): no
+    error reaches the others, whose workers wait in a collective; the rendezvous' keep-alive shows
+    it gone within 60 s and the group re-forms without it. The global batch never changes, so
+    every step trains the batch it would have trained straight; the accuracy ends as a
+    one-process run's does."""
     ckpt = tmp_path / "ckpt"
     with Bed(4, names=["rdzv", "node0", "node1", "node2"]) as bed:
         store = Proc(bed, "rdzv", [sys.executable, "-c", STORE, str(PORT)], env())
         store.when("ready", timeout=60)
         run = {h: node(bed, h, ckpt, "el", *ELASTIC, nnodes="2:3", endpoint="rdzv") for h in ("node0", "node1", "node2")}
-        first = run["node0"].when(r"epoch 3/40 step 4/", timeout=120)
+        first = run["node0"].when(r"epoch 3/50 step 4/", timeout=120)
         rank0 = next(h for h, p in run.items() if "strategy ddp x3" in p.out)
         others = [h for h in run if h != rank0]
         t_loss = time.time()
         bed.crash(rank0)
         leader, t_formed = first_of([run[h] for h in others], "strategy ddp x2", after=t_loss, timeout=60)
-        t_next = leader.when(r"epoch \d+/40 step \d+/", after=t_formed)
+        t_next = leader.when(r"epoch \d+/50 step \d+/", after=t_formed)
         print(f"elastic 2:3: {rank0} (rank 0's host) lost at {t_loss - first:.0f} s -> training at world size 2 {t_next - t_loss:.1f} s later")
         assert t_next - t_loss < 30
         for h in others:
@@ -323,18 +328,30 @@ def test_an_elastic_job_goes_on_without_the_host_of_rank_0_and_grows_back_when_i
         t_back = time.time()
         run[rank0] = node(bed, rank0, ckpt, "el", *ELASTIC, nnodes="2:3", endpoint="rdzv")  # the host is back, the same command
         leader, t_formed = first_of(list(run.values()), "strategy ddp x3", after=t_back)
-        t_grow = leader.when(r"epoch \d+/40 step \d+/", after=t_formed)
+        t_grow = leader.when(r"epoch \d+/50 step \d+/", after=t_formed)
         print(f"elastic 2:3: {rank0} back -> training at world size 3 {t_grow - t_back:.1f} s after its launch")
+        quiet = others[1]
+        t_cut = time.time()
+        bed.cut(quiet)
+        time.sleep(2)
+        bed.crash(quiet)  # nothing it sends gets out: the others hear nothing, not even a reset
+        kept = [h for h in run if h != quiet]
+        said = first_of([run[h] for h in kept], rf"torchrun: {quiet} dropped out of the rendezvous", after=t_cut, timeout=90)[1]
+        leader, t_formed = first_of([run[h] for h in kept], "strategy ddp x2", after=t_cut, timeout=60)
+        t_again = leader.when(r"epoch \d+/50 step \d+/", after=t_formed)
+        print(f"elastic 2:3: {quiet} lost silently -> noticed {said - t_cut:.1f} s, training at world size 2 {t_again - t_cut:.1f} s after the cut")
+        assert said - t_cut < 60
+        del run[quiet]
         for p in run.values():
             assert p.wait(300) == 0, f"{p.host} exited {p.proc.returncode}\n{p.out[-3000:]}"
         out = "".join(p.out for p in run.values())
         assert f"{rank0} joined" in out and "stopped by torchrun for a re-form of the group at step" in out, out[-3000:]
     grown = int(re.search(r"stopped by torchrun for a re-form of the group at step (\d+)", out).group(1))
     sizes = [(r["world_size"], r["step"]) for r in starts(ckpt)]
-    assert [w for w, _ in sizes] == [3, 2, 3] and sizes[2][1] == grown, sizes  # the grow resumed the step it stopped at
+    assert [w for w, _ in sizes] == [3, 2, 3, 2] and sizes[2][1] == grown, sizes  # the grow resumed the step it stopped at
     lost_at = int(re.search(r"lost rank 0 \(\S+\) at step (\d+)", out).group(1))
     assert lost_at - 8 < sizes[1][1] <= lost_at and sizes[1][1] % 8 == 0, (lost_at, sizes)  # the newest save before the loss
-    assert newest(ckpt).name == "step-400"
+    assert newest(ckpt).name == "step-500"
     straight = tmp_path / "straight"
     subprocess.run([sys.executable, "-m", "trainer", "train", *JOB, *ELASTIC, f"checkpoint.dir={straight}"], check=True, cwd=ROOT, env=env(),
                    capture_output=True, timeout=300)

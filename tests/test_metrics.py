@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import sys
 
+import pytest
 from conftest import TINY, run
 
 from trainer.metrics import merged
@@ -62,3 +63,38 @@ def test_startup_phases_add_up_to_the_time_since_the_start():
     assert list(clock.phases) == ["a", "b"] and clock.phases["a"] >= 0.03
     assert abs(sum(clock.phases.values()) - (time.perf_counter() - t0)) < 0.01
     assert isinstance(Startup.compile_seconds(), dict)
+
+
+def test_a_rank_persistently_slower_than_the_median_is_named_and_noise_is_not():
+    from trainer.metrics import Stragglers
+
+    class OneHost:
+        collectives, world_size = False, 4
+
+    s = Stragglers(OneHost(), [("node0", []), ("node1", []), ("node2", []), ("node3", [])])
+    for _ in range(2):
+        record, note = s.judge([20.0, 21.0, 44.0, 20.5])
+        assert note == "" and record["slowest_rank"] == 2 and record["own_ms_per_rank"][2] == 44.0
+    record, note = s.judge([20.0, 21.0, 44.0, 20.5])  # the third interval in a row
+    assert note == "straggler: rank 2 (node2) 2.1x the median for 3 intervals" and record["stragglers"] == [2]
+    assert s.judge([20.0, 21.0, 20.0, 20.5])[1] == ""  # back in line: the count starts again
+    assert s.judge([2.0, 2.1, 5.5, 2.0])[1] == "" and s.judge([2.0, 2.1, 5.5, 2.0])[1] == "" and s.judge([2.0, 2.1, 5.5, 2.0])[1] == ""  # 3.5 ms: noise
+
+
+@pytest.mark.slow
+def test_a_slowed_rank_is_named_on_the_progress_line_and_a_clean_run_names_none(tmp_path):
+    """Two ranks under torchrun; rank 1 sleeps 60 ms before every batch (the fault hook's slow=):
+    the progress line names it, metrics.jsonl has every rank's own time; the same run without
+    the sleep names nobody."""
+    import json
+
+    from conftest import env, torchrun_cmd
+
+    job = ["train", *TINY, "train.epochs=2", "train.log_every=4", "train.plot=false"]
+    slow = run(torchrun_cmd(2, *job, f"checkpoint.dir={tmp_path / 'slow'}"), env=env(TRAINER_FAULT="batch:slow=0.06", TRAINER_FAULT_RANK="1"))
+    named = [x for x in slow.stdout.splitlines() if "straggler: rank 1 (" in x]
+    assert named and "the median for 3 intervals" in named[0], slow.stdout[-2000:]
+    logs = [json.loads(x) for x in (tmp_path / "slow" / "metrics.jsonl").read_text().splitlines() if '"event": "log"' in x]
+    assert all(r["slowest_rank"] == 1 and r["own_ms_per_rank"][1] > 50 for r in logs), logs[:2]
+    clean = run(torchrun_cmd(2, *job, "train.log_every=8", f"checkpoint.dir={tmp_path / 'clean'}"))
+    assert "straggler" not in clean.stdout, clean.stdout[-2000:]

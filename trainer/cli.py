@@ -96,8 +96,9 @@ def train(config_file, overrides):
     record_start()  # a group killed before its workers record an exit is not taken for the one before it
     run, hosts, line = None, [], ""
     try:
-        hosts = gather_hosts(rt)  # rank -> host and addresses, to name a peer that is lost later
+        hosts = gather_hosts(rt)  # rank -> host and addresses, to name a peer that is lost later, or slow
         run = build(cfg, rt, started)
+        run.hosts = hosts
         try:
             code = Trainer(run).fit()
         finally:

@@ -13,7 +13,7 @@ from trainer import compile_cache, parallel
 from trainer.config import to_yaml
 from trainer.dist import all_reduce_sum, barrier
 from trainer.evaluate import evaluate
-from trainer.metrics import StepProfiler, StepTimer, plot_curves, since_command
+from trainer.metrics import StepProfiler, StepTimer, Stragglers, plot_curves, since_command
 from trainer.setup import Run
 from trainer.stop import crash_point
 from trainer.supervisor import EXIT_PREEMPTED, stopped_by_torchrun
@@ -46,6 +46,7 @@ class Trainer:
         self.r = run
         self.cfg, self.rt, self.state = run.cfg, run.rt, run.state
         self.timer = StepTimer(self.rt.cuda)
+        self.stragglers = Stragglers(self.rt, run.hosts)
         self.profiler = StepProfiler(self.cfg.profile.steps, self.cfg.profile.skip, run.root, self.rt)
         self.last_saved = self.state.step if run.resumed_from else -1
         self.first_step_s: float | None = None
@@ -131,6 +132,7 @@ class Trainer:
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with record_function("step.forward"), torch.autocast(self.rt.device.type, dtype=torch.bfloat16, enabled=self.r.fast.bf16):
             loss = self.r.net(x, y)  # the model and its loss (compiled together)
+        self.timer.forward_end = self.timer.mark()  # the step's own part ends: the backward waits for the other ranks
         with record_function("step.backward"):
             loss.backward()
         return loss.detach()
@@ -207,9 +209,12 @@ class Trainer:
         busy = max(now - window.start - stall, 1e-9)
         ips = window.steps * cfg.train.batch_size / busy
         eta = (r.total_steps - step) * busy / window.steps
-        r.say.step(epoch, cfg.train.epochs, self.state.epoch_step, r.steps_per_epoch, value, ips, eta, stall)
+        ranks, note = {}, ""
+        if step % cfg.train.log_every == 0:  # the same steps on every rank (a time-based line is not): an all-gather
+            ranks, note = self.stragglers.judge(self.stragglers.gather(self.timer.own_ms()))
+        r.say.step(epoch, cfg.train.epochs, self.state.epoch_step, r.steps_per_epoch, value, ips, eta, stall, note)
         r.metrics.write({"event": "log", "epoch": epoch, "step": step, "loss": round(value, 5), "images_per_s": round(ips, 1),
-                         "window_steps": window.steps, "stalled_s": round(stall, 3), "lr": r.schedule.get_last_lr()[0]})
+                         "window_steps": window.steps, "stalled_s": round(stall, 3), "lr": r.schedule.get_last_lr()[0], **ranks})
         window.reset(now, stalled)
 
     def summarize(self, steps: int, loss_sum: torch.Tensor, t_epoch: float) -> dict:

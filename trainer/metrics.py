@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from trainer.dist import Runtime
 from trainer.supervisor import COMMAND_START_ENV
@@ -70,16 +72,21 @@ class Startup:
 
 class StepTimer:
     """GPU time of the input pipeline and of whole steps, from CUDA events (no sync until read);
-    host clocks on the CPU."""
+    host clocks on the CPU. Also each step's own part: its batch and its forward pass, which wait
+    for no other rank (the backward's gradient all-reduce does: a slow rank makes every rank's
+    whole step slow, but only its own part)."""
 
     def __init__(self, cuda: bool):
         self.cuda = cuda
+        self.forward_end = None
+        """Marked by the step after its forward pass (one event record on CUDA)."""
         self.reset()
 
     def reset(self) -> None:
-        self._pairs: list[tuple] = []  # (data_start, data_end, step_end)
+        self._pairs: list[tuple] = []  # (data_start, data_end, step_end, forward_end)
         self._host_data = 0.0
         self._host_step = 0.0
+        self._own: list = []  # since the last own_ms(): (data_start, forward_end) pairs, or host seconds
 
     def mark(self):
         if self.cuda:
@@ -89,11 +96,25 @@ class StepTimer:
         return time.perf_counter()
 
     def add(self, data_start, data_end, step_end) -> None:
+        forward_end, self.forward_end = self.forward_end, None
         if self.cuda:
             self._pairs.append((data_start, data_end, step_end))
+            if forward_end is not None:
+                self._own.append((data_start, forward_end))
         else:
             self._host_data += data_end - data_start
             self._host_step += step_end - data_start
+            if forward_end is not None:
+                self._own.append(forward_end - data_start)
+
+    def own_ms(self) -> float:
+        """Mean ms per step of the steps' own part since the last call (after a sync on CUDA: the
+        log line's loss read has made it)."""
+        own, self._own = self._own, []
+        if not own:
+            return 0.0
+        total = sum(a.elapsed_time(b) for a, b in own) if self.cuda else 1e3 * sum(own)
+        return total / len(own)
 
     def read_ms(self) -> tuple[float, float]:
         """(data ms, step ms) summed over the steps since reset; syncs on CUDA."""
@@ -191,6 +212,48 @@ class StepProfiler:
                 "host_waits_per_step": {k: round(v / n, 2) for k, v in sorted(waits.items())}}
 
 
+class Stragglers:
+    """Each rank's own time per step (its batch and forward pass: StepTimer.own_ms), gathered every
+    log interval, and the rank that is persistently slower than the others: SLOWER x the median
+    for PERSIST intervals in a row. A straggler holds every rank back (DDP waits for it in every
+    gradient all-reduce); naming it points at the node to look at."""
+
+    SLOWER = 1.5
+    PERSIST = 3
+    FLOOR_MS = 5.0
+    """And at least this much slower: a few milliseconds of scheduling noise on tiny steps is no straggler."""
+
+    def __init__(self, rt: Runtime, hosts: list[tuple[str, list[str]]]):
+        self.rt, self.hosts = rt, hosts
+        self.streak: dict[int, int] = {}
+
+    def gather(self, own_ms: float) -> list[float]:
+        """Every rank's figure (one small all-gather: call it at the same step on every rank)."""
+        if not self.rt.collectives:
+            return [own_ms]
+        mine = torch.tensor([own_ms], dtype=torch.float32, device=self.rt.device)
+        out = [torch.zeros_like(mine) for _ in range(self.rt.world_size)]
+        dist.all_gather(out, mine)
+        return [round(float(t.item()), 3) for t in out]
+
+    def judge(self, per_rank: list[float]) -> tuple[dict, str]:
+        """(fields for the log record, '' or the progress line's note naming a straggler)."""
+        median = statistics.median(per_rank)
+        slowest = max(range(len(per_rank)), key=per_rank.__getitem__)
+        slow = {r for r, ms in enumerate(per_rank) if median > 0 and ms > self.SLOWER * median and ms - median > self.FLOOR_MS}
+        self.streak = {r: self.streak.get(r, 0) + 1 for r in slow}
+        record = {"own_ms_median": round(median, 3), "own_ms_slowest": per_rank[slowest], "slowest_rank": slowest}
+        if len(per_rank) <= 64:
+            record["own_ms_per_rank"] = per_rank
+        named = [r for r, n in sorted(self.streak.items()) if n >= self.PERSIST]
+        if not named:
+            return record, ""
+        record["stragglers"] = named
+        host = lambda r: self.hosts[r][0] if r < len(self.hosts) else "?"  # noqa: E731
+        return record, "straggler: " + ", ".join(f"rank {r} ({host(r)}) {per_rank[r] / median:.1f}x the median "
+                                                 f"for {self.streak[r]} intervals" for r in named)
+
+
 def duration(seconds: float) -> str:
     s = int(round(seconds))
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
@@ -204,7 +267,7 @@ class Progress:
         self.tty = enabled and sys.stdout.isatty()
 
     def step(self, epoch: int, epochs: int, step: int, steps: int, loss: float, images_per_s: float, eta_s: float | None = None,
-             stalled_s: float = 0.0) -> None:
+             stalled_s: float = 0.0, note: str = "") -> None:
         if not self.enabled:
             return
         text = f"epoch {epoch + 1}/{epochs} step {step}/{steps} loss {loss:.4f} {images_per_s:,.0f} img/s"
@@ -212,6 +275,8 @@ class Progress:
             text += f" eta {duration(eta_s)}"
         if stalled_s >= 1:
             text += f" ({duration(stalled_s)} stalled, left out)"
+        if note:
+            text += f" | {note}"
         if self.tty:
             done = int(30 * step / max(1, steps))
             print(f"\r[{'#' * done}{'.' * (30 - done)}] {text}", end="", flush=True)

@@ -9,10 +9,11 @@ left before it gives up. When workers run again with another set of nodes, it sa
 re-formed. Reading costs one small store read every POLL_S while no worker runs.
 
 While workers run, it reads the state every KEEPALIVE_CHECK_S: a node of the group whose
-rendezvous keep-alive (every 5 s) has stopped for LOST_AFTER_S is lost, even when nothing failed
-(a cable cut, then power off: the workers would wait in a collective until the hang watchdog or
-the collective timeout). Its workers here are stopped at once, so that torchrun re-forms the group
-from the newest checkpoint: without that node when the job is elastic, else waiting for it.
+rendezvous keep-alive has stopped (3 missed: 15 s, 9 s for an elastic job) is dropped from the
+round's participants by the others' next sync, even when nothing failed (a cable cut, then power
+off: the workers would wait in a collective until the hang watchdog or the collective timeout).
+This node's workers are then stopped at once, so that torchrun re-forms the group from the
+newest checkpoint: without that node when the job is elastic, else waiting for it.
 """
 
 from __future__ import annotations
@@ -31,8 +32,6 @@ FIRST_REPORT_S = 10.0
 """A wait shorter than this is the usual start-up: nothing said."""
 REPORT_EVERY_S = 30.0
 KEEPALIVE_CHECK_S = 5.0
-LOST_AFTER_S = 30.0
-"""A node of the running group whose keep-alive is this old is lost: the group re-forms without waiting for the hang bound."""
 STALE_HEARTBEAT_S = 15.0
 """A node whose keep-alive in the state is older than this is gone (the rendezvous drops it after keep_alive_max_attempt
 missed keep-alives: 3 x 5 s by default)."""
@@ -55,6 +54,8 @@ class Reporter:
         self.members: list[str] = []
         """The nodes of the group that ran last (host names)."""
         self.left: list[str] = []
+        self.round = None
+        """The rendezvous round of the group that runs (a member missing from it was dropped)."""
         self._store = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -141,21 +142,22 @@ class Reporter:
                 f"present: {', '.join(here) or 'none'}{gone}; gives up in {left_s:.0f} s (join_timeout)")
 
     def _watch_members(self) -> None:
-        """Stop this node's workers when a node of their group no longer keeps the rendezvous alive."""
+        """Stop this node's workers when a node of their group has dropped out of the rendezvous:
+        every node's sync removes one whose keep-alive stopped (keep_alive_max_attempt missed ones)
+        from the participants of the same round, which nothing else does while the group runs."""
         state = self.state()
-        if state is None:
-            return
-        now, me = datetime.now(timezone.utc), socket.gethostname().split(".")[0]
-        beats = getattr(state, "last_heartbeats", {})
-        lost = sorted({_host(n): (now - _utc(beats[n])).total_seconds() for n in getattr(state, "participants", {})
-                       if n in beats and _host(n) != me and (now - _utc(beats[n])).total_seconds() > LOST_AFTER_S}.items())
+        if state is None or getattr(state, "round", None) != self.round or not getattr(state, "complete", False):
+            return  # a new round is forming: torchrun stops its workers itself (with a save)
+        present = {_host(n) for n in getattr(state, "participants", {})}
+        lost = [m for m in self.members if m not in present]
         if not lost:
             return
         from trainer.supervisor import kill_children
 
-        self.say(f"torchrun: {', '.join(f'{h} (no keep-alive for {age:.0f} s)' for h, age in lost)} left the group silently (lost or cut off): "
-                 "stopping this node's workers so that the group re-forms from the newest checkpoint")
+        self.say(f"torchrun: {', '.join(lost)} dropped out of the rendezvous (its keep-alive stopped: lost or cut off) while the "
+                 "group trained: stopping this node's workers so that the group re-forms from the newest checkpoint")
         kill_children(os.getpid())
+        self.left = lost
 
     def _joined(self) -> None:
         """Workers run again: the group formed. Say so when its nodes are not the last group's."""
@@ -163,6 +165,7 @@ class Reporter:
         if state is None:
             return
         nodes = sorted({_host(n) for n in getattr(state, "participants", {})})
+        self.round = getattr(state, "round", None)
         if self.members and nodes and nodes != self.members:
             gone, new = [m for m in self.members if m not in nodes], [n for n in nodes if n not in self.members]
             change = "; ".join(filter(None, [f"{', '.join(gone)} left" if gone else "", f"{', '.join(new)} joined" if new else ""]))

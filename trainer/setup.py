@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +113,8 @@ class Run:
     compile_key: str = ""
     masters: MasterWeights | None = None
     """fp32 master weights behind bf16 working weights (train.param_dtype=bf16)."""
+    hosts: list = field(default_factory=list)
+    """Each rank's host name and addresses (dist.gather_hosts): a lost peer or a straggler is named by its host."""
 
 
 def build(cfg: Config, rt: Runtime, started_at: float | None = None) -> Run:

@@ -30,11 +30,12 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
 def crash_point(name: str, step: int | None = None) -> None:
     """Fault injection for the tests, off unless TRAINER_FAULT names this point.
 
-    TRAINER_FAULT="POINT[@STEP]:ACTION" with ACTION ``kill`` (SIGKILL this process) or
-    ``sleep=SECONDS`` (a read or write that blocks). Points: ``batch`` (before a training step
-    reads its batch) and ``before-rename`` (a checkpoint written, not yet published). It acts only
-    on the first attempt (torchrun's TORCHELASTIC_RESTART_COUNT=0) and on rank TRAINER_FAULT_RANK
-    (default 0), so a restarted group runs through.
+    TRAINER_FAULT="POINT[@STEP]:ACTION" with ACTION ``kill`` (SIGKILL this process),
+    ``sleep=SECONDS`` (a read or write that blocks) or ``slow=SECONDS`` (every time, a straggler).
+    Points: ``batch`` (before a training step reads its batch) and ``before-rename`` (a checkpoint
+    written, not yet published). It acts on rank TRAINER_FAULT_RANK (default 0) and, but for
+    ``slow``, only on the first attempt (torchrun's TORCHELASTIC_RESTART_COUNT=0), so a restarted
+    group runs through.
     """
     fault = _fault()
     if fault is None:
@@ -42,9 +43,12 @@ def crash_point(name: str, step: int | None = None) -> None:
     point, at, action = fault
     if point != name or (at is not None and step is not None and at != step):
         return
-    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return
     if os.environ.get("RANK", "0") != os.environ.get("TRAINER_FAULT_RANK", "0"):
+        return
+    if action.startswith("slow="):
+        time.sleep(float(action.split("=", 1)[1]))
+        return
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return
     if action.startswith("sleep="):
         time.sleep(float(action.split("=", 1)[1]))
