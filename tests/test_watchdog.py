@@ -50,14 +50,18 @@ def test_a_recovered_stall_raises_no_bound_and_is_left_out_of_the_pace(tmp_path)
 
 
 def test_slow_steps_raise_the_bound_but_never_past_the_collective_timeout(tmp_path):
-    dog = Watchdog(30, tmp_path, 0, timeout_s=300)
+    dog = Watchdog(30, tmp_path, 0, timeout_s=300, world_size=2)
     for _ in range(5):
         dog._pause(8.0, True)  # slow by nature: every step
     assert dog.stalled_s == 0 and dog.bound() == pytest.approx(80)
     for _ in range(5):
         dog._pause(40.0, True)
     assert dog.bound() == pytest.approx(0.9 * 300)  # 10 x 40 s would pass dist.timeout_s
-    assert Watchdog(30, tmp_path, 0).bound() == 30  # no collective timeout given: no ceiling
+    alone = Watchdog(30, tmp_path, 0, timeout_s=300)  # one process: no collective, no ceiling
+    for _ in range(5):
+        alone._pause(40.0, True)
+    assert alone.bound() == pytest.approx(400)
+    assert Watchdog(180, tmp_path, 0, timeout_s=30, world_size=2).bound() == pytest.approx(27)  # the setting itself is held below it
 
 
 STALL_THEN_BLOCK = """

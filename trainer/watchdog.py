@@ -10,8 +10,9 @@ reads, no sync). The bound is ``dist.hang_timeout_s``, raised to 10x the longest
 between two beats, so a run whose steps or saves are slow by nature is never cut short. A pause
 that the run recovered from (a link cut ridden out, a slow read: more than STALL times the median
 pause) is a stall, not the run's nature: it raises nothing, and the progress lines leave its time
-out. However slow the steps, the bound stays below ``dist.timeout_s`` (CEILING of it), so a hang
-outside a collective leaves stacks before the collective timeout. It is armed by the first beat
+out. With other ranks, the bound stays below ``dist.timeout_s`` (CEILING of it) however slow the
+steps and whatever ``dist.hang_timeout_s`` says, so a hang outside a collective leaves stacks
+before the collective timeout. It is armed by the first beat
 (after compilation and the first step), and watched in three places:
 
 1. a thread in each worker (every second): past the bound it appends every thread's Python stack
@@ -67,7 +68,8 @@ NOTE_WAIT_S = 3.0
 class Watchdog:
     def __init__(self, bound_s: float, root: Path, rank: int, timeout_s: float = 0.0, world_size: int = 1):
         self.bound_s, self.root, self.rank = float(bound_s), Path(root), rank
-        self.ceiling_s = max(self.bound_s, CEILING * timeout_s) if timeout_s else float("inf")
+        # with other ranks, below their collective timeout (a process alone has none)
+        self.ceiling_s = CEILING * timeout_s if timeout_s and world_size > 1 else float("inf")
         self.world_size = world_size
         self.last: float | None = None
         self.slowest = 0.0
