@@ -36,7 +36,12 @@ TIMEOUT_S = 30
 # ResNet-18 (the default recipe), shortened; a checkpoint every 25 steps as well as every epoch
 REAL = ["--config", "configs/default.yaml", "data.name=imagefolder", f"data.dir={DATA}", f"data.cache_dir={CACHE}",
         f"train.epochs={EPOCHS}", "train.plot=false", "train.log_every=25", "checkpoint.every_steps=25", f"dist.timeout_s={TIMEOUT_S}"]
-ACC_NOISE = 0.02  # seed-to-seed spread of 8-epoch ResNet-18 runs is well under 1 point; 2 points is a clear failure
+# The spread of these 8-epoch ResNet-18 runs (cuDNN's autotuned kernels are not deterministic, so a
+# resumed run is not bit for bit): in bench/results' one-GPU suites of 2026-12-02 and 03, 32 end
+# accuracies from 0.8042 to 0.8395 and references from 0.819 to 0.8373, the widest gap to its own
+# reference 2.7 points. 3.5 points is past all of it; a broken resume (a lost optimizer state, a
+# wrong learning rate) costs far more.
+ACC_NOISE = 0.035
 
 
 def gpu_env(**extra: str) -> dict[str, str]:
