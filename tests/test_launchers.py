@@ -577,3 +577,16 @@ def test_torchx_ddp_asks_one_gpu_per_process_unless_told_otherwise():
 
     assert [int(x) for x in limits()] == [4, 4]  # --j 2x4 without --gpu: GPU pods, not silent CPU pods
     assert all(x in (None, 0, "0") for x in limits("--gpu", "0"))
+
+
+def test_torchx_elastic_range_reaches_torchrun_and_the_scheduler():
+    """--j MIN:MAXxN: the Volcano job asks for MAX pods and starts with MIN (the tasks' minAvailable
+    add up to it), and every pod's command hands torchrun the range, which `trainer torchrun`
+    checks against the batch. (TorchX 0.7 also asks Volcano to restart the whole job when a pod
+    fails: on Kubernetes through TorchX a lost pod restarts the job, which may then start with MIN.)"""
+    p = torchx("run", "--workspace", "", "--dryrun", "-s", "kubernetes", "trainer/components.py:train_ddp", "--image", "reg/cluster-trainer:1",
+               "--j", "2:3x8", "--", "train.batch_size=480")
+    job = yaml.safe_load(scheduler_request(p.stdout))
+    assert len(job["spec"]["tasks"]) == 3 and sum(t["minAvailable"] for t in job["spec"]["tasks"]) == 2, job["spec"]["tasks"]
+    command = " ".join(job["spec"]["tasks"][0]["template"]["spec"]["containers"][0]["command"])
+    assert "--nnodes 2:3" in command and "--nproc-per-node 8" in command and "train.batch_size=480" in command, command

@@ -170,6 +170,26 @@ def test_the_supervisor_kills_a_stopped_worker_past_its_bound_and_no_other(tmp_p
             p.wait()
 
 
+def test_a_stopped_python_worker_gets_its_stacks_read_from_outside(tmp_path):
+    """A worker too frozen to write its own stacks (SIGSTOP): the supervisor reads them with py-spy
+    before it kills the process, so the hang file says where it stood."""
+    p = subprocess.Popen([sys.executable, "-c", "import time\ndef read_that_blocks():\n    time.sleep(300)\nprint('up', flush=True)\nread_that_blocks()"],
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "up"
+        os.kill(p.pid, signal.SIGSTOP)
+        deadline = time.time() + 10
+        while time.time() < deadline and psutil.Process(p.pid).status() != psutil.STATUS_STOPPED:
+            time.sleep(0.01)
+        heartbeat(tmp_path, p.pid, 0, age_s=16)
+        assert len(kill_hung_workers(tmp_path)) == 1 and p.wait(10) == -signal.SIGKILL
+        text = (tmp_path / "hang-rank0.txt").read_text()
+        assert "Python stacks read by py-spy" in text and "read_that_blocks" in text, text
+    finally:
+        p.kill()
+        p.wait()
+
+
 def test_the_supervisor_margin_lets_the_worker_go_first():
     assert watchdog.TICK_S * 5 < HEARTBEAT_MARGIN_S  # faulthandler's backstop fires within the margin too
 

@@ -106,9 +106,10 @@ def train_ddp(
         image: container image with the trainer installed (the repository's Dockerfile, pushed
             to your registry: README, Publish your image)
         j: {nnodes}x{nproc_per_node}, e.g. 2x8; nproc_per_node must not exceed the GPUs per node.
-            Elastic: {min}:{max}x{nproc_per_node}, e.g. 2:4x8: the job goes on with as few as min
-            nodes when nodes are lost and grows back when they return; every size in the range
-            must split train.batch_size (the job refuses it at launch, exit 2)
+            Elastic: {min}:{max}x{nproc_per_node}, e.g. 2:4x8: torchrun forms the group with min to
+            max nodes (TorchX 0.7's schedulers restart the whole job when a node fails, so a
+            restarted job may start with min); every size in the range must split
+            train.batch_size (the job refuses it at launch, exit 2)
         gpu: GPUs per node: -1 (the default) asks one per process of ``j`` (2x8: 8), 0 makes a CPU job
             with gloo
         cpu: CPUs per node

@@ -37,6 +37,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -186,6 +187,23 @@ HEARTBEAT_MARGIN_S = 10.0
 """Past a worker's bound, so that its own watchdog, which can write its Python stacks, goes first."""
 
 
+def stacks_from_outside(pid: int, timeout_s: float = 20.0) -> str:
+    """The Python stacks of a process that cannot write its own (stopped, stuck in the kernel), read
+    from its memory by py-spy (a dependency; it reads a stopped process without resuming it: the
+    supervisor is the worker's ancestor, which ptrace's default scope allows), or why not."""
+    spy = Path(sys.executable).with_name("py-spy")
+    spy = str(spy) if spy.exists() else shutil.which("py-spy")
+    if spy is None:
+        return "(no Python stacks: py-spy is not installed, and the process could not run to write them)"
+    try:
+        p = subprocess.run([spy, "dump", "--pid", str(pid), "--nonblocking"], capture_output=True, text=True, timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"(no Python stacks: py-spy failed: {type(e).__name__})"
+    if p.returncode != 0:
+        return f"(no Python stacks: py-spy could not read the process: {(p.stderr or p.stdout).strip()[:300]})"
+    return "Python stacks read by py-spy:\n" + p.stdout
+
+
 def kill_hung_workers(folder: Path, margin_s: float = HEARTBEAT_MARGIN_S) -> list[str]:
     """Kill every worker whose heartbeat file (trainer/watchdog.py) is older than its bound plus
     ``margin_s``: it cannot act on its own watchdog (stopped, frozen). Returns what was said."""
@@ -206,7 +224,7 @@ def kill_hung_workers(folder: Path, margin_s: float = HEARTBEAT_MARGIN_S) -> lis
                 "killing it so that torchrun restarts from the newest checkpoint")
         try:
             with open(info["hang_file"], "a") as f:
-                f.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n(no Python stacks: the process could not run to write them)\n")
+                f.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n{stacks_from_outside(info['pid'])}\n")
         except OSError:
             pass
         try:
@@ -550,6 +568,22 @@ def with_rdzv_defaults(argv: list[str]) -> list[str]:
     return [f"--rdzv-conf={','.join(f'{k}={v}' for k, v in conf.items())}", *out]
 
 
+def _where_lost(argv: list[str]) -> str:
+    """'at step N (the job resumes from step-M)' from what the workers said when they failed and
+    the run folder, as far as they tell."""
+    steps = []
+    folder = os.environ.get(EXIT_DIR_ENV)
+    for p in Path(folder).glob("[0-9]*-*") if folder else []:
+        try:
+            steps += [int(m) for m in re.findall(r" at step (\d+)", p.read_text())]
+        except OSError:
+            continue
+    cfg = _training_config(argv)
+    found = sorted(Path(cfg.checkpoint.dir).glob("step-*/meta.json"), key=lambda m: int(m.parent.name[5:]) if m.parent.name[5:].isdigit() else -1) if cfg else []
+    at = f"at step {max(steps)}" if steps else "during training"
+    return f"{at} (the job resumes from {found[-1].parent.name})" if found else at
+
+
 def rendezvous_failure(argv: list[str], error: BaseException, left: list[str] | None = None) -> str:
     """One line for a rendezvous that could not form: what happened, where, and the fix. ``left``:
     nodes of the last group that did not come back (trainer/rendezvous.py saw them go)."""
@@ -559,7 +593,7 @@ def rendezvous_failure(argv: list[str], error: BaseException, left: list[str] | 
     nodes, job = _option(argv, "nnodes", "1"), _option(argv, "rdzv-id", "none")
     conf = rdzv_conf(argv)
     if isinstance(error, RendezvousTimeoutError) and left:
-        return (f"torchrun: {', '.join(left)}, in the job until its last failure, did not come back to the rendezvous at {endpoint} "
+        return (f"torchrun: {', '.join(left)}, lost {_where_lost(argv)}, did not come back to the rendezvous at {endpoint} "
                 f"(id {job}) within {conf.get('join_timeout', '600')} s: start the same command there again, or run elastic "
                 f"(--nnodes MIN:{nodes.split(':')[-1]}) so that the nodes left go on; exit {EXIT_CRASH} so that the scheduler retries "
                 "from the newest checkpoint")
