@@ -402,6 +402,38 @@ def test_sbatch_on_two_nodes_trains_across_them_and_advertises_a_reachable_addre
     assert slurm.bed.decoy_addr["node1"] not in out
 
 
+def test_an_elastic_slurm_job_goes_on_without_a_failed_node(tmp_path):
+    """MIN_NODES=2 sbatch --no-kill --nodes=3 slurm/ddp.sh: a node of the three fails (slurmd and
+    the job's processes killed, never back); the allocation and the step live on, the two others
+    re-form from the newest checkpoint and the job COMPLETES there, never requeued."""
+    assert shutil.which("slurmd") and subprocess.run(["pgrep", "-x", "munged"], capture_output=True).returncode == 0, \
+        "Slurm and munged are needed: tests/slurm/start-cluster.sh (as .ci/run does)"
+    with Bed(4, names=["ctl", "node0", "node1", "node2"]) as bed:
+        cluster = SlurmCluster(bed, cpus=os.cpu_count() or 2)
+        env_ = {"NPROC_PER_NODE": "1", "CONFIG": "configs/smoke.yaml", "RUN_NAME": "el", "SHARED_DIR": str(tmp_path), "OMP_NUM_THREADS": "1",
+                "MIN_NODES": "2", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+        p = cluster.run("sbatch", "--parsable", "--no-kill", "--nodes=3", "--gpus-per-node=0", f"--cpus-per-task={os.cpu_count() or 2}",
+                        f"--output={tmp_path}/slurm-%j.out", "slurm/ddp.sh", "train.plot=false", "train.log_every=4", "train.batch_size=48",
+                        "train.epochs=12", "checkpoint.every_steps=8", "dist.hang_timeout_s=60", env=env_, cwd=ROOT)
+        assert p.returncode == 0, p.stderr
+        job = p.stdout.strip().split(";")[0]
+        metrics = tmp_path / "checkpoints" / "el" / "metrics.jsonl"
+        deadline = time.time() + 180
+        while time.time() < deadline and not (metrics.exists() and metrics.read_text().count('"event": "checkpoint"') >= 2):
+            time.sleep(0.5)
+        t_crash = time.time()
+        bed.crash("node2")
+        state = wait_for(cluster, job, timeout=400)
+        out = (tmp_path / f"slurm-{job}.out").read_text()
+        assert state == "COMPLETED" and cluster.job_field(job, "Restarts") == "0", f"{state}\n{out[-4000:]}"
+        assert re.search(r"the group re-formed with 2 node\(s\) \(.*; node2 left\)", out) and "done: step" in out, out[-4000:]
+        records = [json.loads(x) for x in metrics.read_text().splitlines()]
+        shrunk = next(r for r in records if r.get("event") == "start" and r.get("world_size") == 2)
+        t_next = next(r["time"] for r in records[records.index(shrunk):] if r.get("event") == "log")
+        print(f"elastic Slurm job: node2 lost -> training at world size 2 {t_next - t_crash:.1f} s later; COMPLETED without a requeue")
+    assert not bed.leftovers()
+
+
 def test_a_lost_slurm_node_requeues_the_job_and_it_resumes_when_the_node_is_back(slurm, tmp_path):
     job = sbatch(slurm, tmp_path, "lost", "train.epochs=60", "checkpoint.every_steps=16")
     metrics = tmp_path / "checkpoints" / "lost" / "metrics.jsonl"

@@ -76,7 +76,10 @@ def describe(error: BaseException, rank: int, step: int | None, hosts: list[tupl
     if not LOST.search(message) and peers is not None:
         peers.note_failure()  # alive: the ranks that lost a connection to this one must not name it
     if LOST.search(message):
-        lost = (peers.lost(hosts) if peers is not None else None) or [(r, h) for r, h in lost_ranks(message, hosts) if r != rank]
+        named = [(r, h) for r, h in lost_ranks(message, hosts) if r != rank]  # whose connection broke
+        silent = peers.lost(hosts) if peers is not None else None  # who noted no failure of its own
+        # the broken connection's peer if it is silent; else the silent ones (the peer only failed because of them)
+        lost = [x for x in named if x in silent] or silent if silent else named
         whom = ", ".join(f"rank {r} ({h})" for r, h in lost) or "a peer"
         return f"{me}: lost {whom}{at}: {_short(first)}"
     if TIMED_OUT.search(message) and (COLLECTIVE.search(message) or type(error).__name__.startswith("Dist")):

@@ -19,6 +19,7 @@ newest checkpoint: without that node when the job is elastic, else waiting for i
 from __future__ import annotations
 
 import base64
+import functools
 import os
 import pickle
 import socket
@@ -56,6 +57,7 @@ class Reporter:
         self.left: list[str] = []
         self.round = None
         """The rendezvous round of the group that runs (a member missing from it was dropped)."""
+        self._missing: set[str] = set()
         self._store = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -148,8 +150,11 @@ class Reporter:
         state = self.state()
         if state is None or getattr(state, "round", None) != self.round or not getattr(state, "complete", False):
             return  # a new round is forming: torchrun stops its workers itself (with a save)
-        present = {_host(n) for n in getattr(state, "participants", {})}
-        lost = [m for m in self.members if m not in present]
+        # a node that leaves to join the next round waits in wait_list; a dead one is nowhere
+        nodes = set(getattr(state, "participants", {})) | set(getattr(state, "wait_list", ())) | set(getattr(state, "redundancy_list", ()))
+        present = {_host(n) for n in nodes}
+        missing = {m for m in self.members if m not in present}
+        lost, self._missing = sorted(missing & self._missing), missing  # missing at two checks in a row: not a node between two steps of its own
         if not lost:
             return
         from trainer.supervisor import kill_children
@@ -175,10 +180,17 @@ class Reporter:
             self.members, self.left = nodes, []
 
 
+@functools.lru_cache(maxsize=256)
 def _host(node) -> str:
-    """A _NodeDesc's host name (its addr), without a domain; an address as it is."""
+    """A _NodeDesc's host name (its addr, which --local-addr may have made an address: then its
+    name where the resolver knows one), without a domain."""
     addr = str(getattr(node, "addr", node))
-    return addr if addr.replace(".", "").isdigit() or ":" in addr else addr.split(".")[0]
+    if addr.replace(".", "").isdigit() or ":" in addr:
+        try:
+            addr = socket.gethostbyaddr(addr)[0]
+        except OSError:
+            return addr
+    return addr.split(".")[0]
 
 
 def _utc(t: datetime) -> datetime:
