@@ -384,6 +384,7 @@ def _watch(proc: subprocess.Popen, exit_dir: Path, watch: LostRendezvous, limit:
         kill_hung_workers(exit_dir)
         if limit is not None and (line := limit.check()):
             print(line, file=sys.stderr, flush=True)
+            (exit_dir / SIGNALLED).touch()  # the job's stop (its time limit), not a re-form of the group
             proc.send_signal(signal.SIGTERM)
         lost = watch.check()
         if lost:
