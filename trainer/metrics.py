@@ -216,7 +216,9 @@ class Stragglers:
     """Each rank's own time per step (its batch and forward pass: StepTimer.own_ms), gathered every
     log interval, and the rank that is persistently slower than the others: SLOWER x the median
     for PERSIST intervals in a row. A straggler holds every rank back (DDP waits for it in every
-    gradient all-reduce); naming it points at the node to look at."""
+    gradient all-reduce); naming it points at the node to look at. One wait stays inside the
+    figure: with dist.broadcast_buffers (batch norm), each forward starts with rank 0's buffers, so
+    a slow rank 0 lengthens the others' forward too (then the line names several ranks, or none)."""
 
     SLOWER = 1.5
     PERSIST = 3
