@@ -576,7 +576,7 @@ def _where_lost(argv: list[str]) -> str:
     folder = os.environ.get(EXIT_DIR_ENV)
     for p in Path(folder).glob("[0-9]*-*") if folder else []:
         try:
-            steps += [int(m) for m in re.findall(r" at step (\d+)", p.read_text())]
+            steps += [int(m) for m in re.findall(r" (?:at|after) step (\d+)", p.read_text())]
         except OSError:
             continue
     cfg = _training_config(argv)

@@ -47,7 +47,7 @@ from collections import deque
 from datetime import timedelta
 from pathlib import Path
 
-from trainer.supervisor import EXIT_DIR_ENV, EXIT_HUNG
+from trainer.supervisor import EXIT_DIR_ENV, EXIT_HUNG, record_exit
 
 GROWTH = 10
 """The bound is at least this many times the longest ordinary pause between two beats."""
@@ -131,19 +131,10 @@ class Watchdog:
 
     # ---------------------------------------------------------------------------------------------
     def _watch(self) -> None:
-        published = time.monotonic()
-        if self.peers is not None:
-            self.peers.publish(self.step, self.phase)  # at once: a rank stopped a second later has a record
+        if self.peers is not None:  # its store I/O on a thread of its own: a cut link never delays this one
+            threading.Thread(target=self.peers.follow, args=(self,), name="hang-watchdog-peers", daemon=True).start()
         while not self._stop.wait(TICK_S):
             idle, bound = time.monotonic() - self.last, self.bound()
-            if self.peers is not None:
-                if time.monotonic() - published >= PUBLISH_S:
-                    self.peers.publish(self.step, self.phase)
-                    published = time.monotonic()
-                if idle > bound / 2:
-                    self.peers.observe()
-                else:
-                    self.peers.forget()
             if idle > bound:
                 self._fire(idle, bound)
                 return
@@ -185,9 +176,11 @@ class Watchdog:
         except OSError:
             where = "stderr (the run folder is not writable)"
             faulthandler.dump_traceback(sys.stderr, all_threads=True)
-        print(f"rank {self.rank} ({socket.gethostname()}): no training progress for {idle:.0f} s after step {self.step} "
-              f"(dist.hang_timeout_s, bound {bound:.0f} s){whom}; stacks in {where}; exiting {EXIT_HUNG} so that the launcher "
-              "restarts from the newest checkpoint", file=sys.stderr, flush=True)
+        line = (f"rank {self.rank} ({socket.gethostname()}): no training progress for {idle:.0f} s after step {self.step} "
+                f"(dist.hang_timeout_s, bound {bound:.0f} s){whom}; stacks in {where}; exiting {EXIT_HUNG} so that the launcher "
+                "restarts from the newest checkpoint")
+        print(line, file=sys.stderr, flush=True)
+        record_exit(EXIT_HUNG, line)  # for the supervisor: where the job was when a node is not back
         os._exit(EXIT_HUNG)  # the main thread is stuck: no cleanup can be trusted to finish
 
 
@@ -199,7 +192,7 @@ class Peers:
 
     def __init__(self, rank: int, world_size: int):
         self.rank, self.world_size, self.host = rank, world_size, socket.gethostname()
-        self._store, self._tried = None, False
+        self._store = None
         self._prefix = f"trainer/watchdog/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"  # this attempt's ranks only
         self._seq = 0
         self._seen: dict[int, tuple[int, float, dict]] = {}
@@ -208,13 +201,10 @@ class Peers:
         self.unreachable = ""
 
     def _connect(self):
-        """The connection, made once (while the store surely runs: the group has just formed). No
-        second try: a store that went away answers nothing, and torch's connect retries would
-        print pages of C++ frames on the console."""
+        """The connection; made again after a call failed (a connection whose call timed out may
+        read the late answer to it as the next one's), each time after a plain connect succeeds:
+        torch's own connect retries print pages of C++ frames when nobody answers."""
         if self._store is None:
-            if self._tried:
-                raise ConnectionError("the job's store did not answer")
-            self._tried = True
             import torch.distributed as dist
 
             socket.create_connection((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])), timeout=STORE_TIMEOUT_S).close()
@@ -223,13 +213,28 @@ class Peers:
                                         timeout=timedelta(seconds=STORE_TIMEOUT_S), wait_for_workers=False)
         return self._store
 
+    def follow(self, dog: Watchdog) -> None:
+        """Publish this rank's record every PUBLISH_S (at once first: a rank stopped a second later
+        has one); read the others' every tick while this rank's progress is overdue (past a third
+        of its bound). Store calls may block for STORE_TIMEOUT_S: this thread only lags."""
+        published = 0.0
+        while not dog._stop.is_set():
+            if time.monotonic() - published >= PUBLISH_S:
+                self.publish(dog.step, dog.phase)
+                published = time.monotonic()
+            if dog.last is not None and time.monotonic() - dog.last > dog.bound() / 3:
+                self.observe()
+            else:
+                self.forget()
+            dog._stop.wait(TICK_S)
+
     def publish(self, step: int, phase: str) -> None:
         self._seq += 1
         record = {"host": self.host, "step": step, "phase": phase, "seq": self._seq}
         try:
             self._connect().set(f"{self._prefix}/{self.rank}", json.dumps(record))
         except Exception as e:  # noqa: BLE001 - a store that does not answer is itself the news
-            self.unreachable = f"{type(e).__name__}"
+            self.unreachable, self._store = f"{type(e).__name__}", None
 
     def note_failure(self) -> bool:
         """Say in the store that this rank failed (and lives): False when the store does not answer."""
@@ -276,31 +281,32 @@ class Peers:
                     self._seen[r] = (record["seq"], now, record)
             self.unreachable = ""
         except Exception as e:  # noqa: BLE001
-            self.unreachable = f"{type(e).__name__}"
+            self.unreachable, self._store = f"{type(e).__name__}", None
 
     def culprit(self, step: int) -> str:
-        """'' or a clause: the ranks that stopped, or were blocked, while this one waited."""
-        now = time.monotonic()
+        """'' or a clause: the ranks that stopped, or were blocked, while this one waited (from what
+        the following thread has seen so far: no store call here)."""
+        now, seen = time.monotonic(), dict(self._seen)
         if self.unreachable:
             return (f"; the job's store at {os.environ.get('MASTER_ADDR')} (rank 0's host) does not answer: "
                     "rank 0 or its host is stopped, lost or cut off")
         if self._since is None:
             return ""
-        silent = {r: now - t for r, (_, t, _rec) in self._seen.items() if now - t > 2 * PUBLISH_S + TICK_S}
+        silent = {r: now - t for r, (_, t, _rec) in seen.items() if now - t > 2 * PUBLISH_S + TICK_S}
         if silent:
             return "; waiting for " + ", ".join(
-                f"rank {r} ({self._seen[r][2]['host']}), whose process has not run for {s:.0f} s (stopped, frozen, or its host lost)"
+                f"rank {r} ({seen[r][2]['host']}), whose process has not run for {s:.0f} s (stopped, frozen, or its host lost)"
                 for r, s in sorted(silent.items()))
-        missing = [r for r in range(self.world_size) if r != self.rank and r not in self._seen]
+        missing = [r for r in range(self.world_size) if r != self.rank and r not in seen]
         if missing:
             return (f"; waiting for rank(s) {', '.join(map(str, missing))}, which never reported after the group formed "
                     "(stopped, frozen, or its host lost)")
-        reading = [r for r, (_, _, rec) in self._seen.items() if rec["phase"] == "data"]
+        reading = [r for r, (_, _, rec) in seen.items() if rec["phase"] == "data"]
         if reading:
-            return "; waiting for " + ", ".join(f"rank {r} ({self._seen[r][2]['host']}), blocked in its data read at step {self._seen[r][2]['step']}"
+            return "; waiting for " + ", ".join(f"rank {r} ({seen[r][2]['host']}), blocked in its data read at step {seen[r][2]['step']}"
                                                 for r in sorted(reading))
-        behind = [r for r, (_, _, rec) in self._seen.items() if rec["step"] < step]
+        behind = [r for r, (_, _, rec) in seen.items() if rec["step"] < step]
         if behind:
-            return "; waiting for " + ", ".join(f"rank {r} ({self._seen[r][2]['host']}), still at step {self._seen[r][2]['step']}"
+            return "; waiting for " + ", ".join(f"rank {r} ({seen[r][2]['host']}), still at step {seen[r][2]['step']}"
                                                 for r in sorted(behind))
         return f"; every rank is alive and waits at step {step} (a deadlock, or a link between hosts is down)"
