@@ -241,7 +241,8 @@ def test_the_only_worker_stopped_with_sigstop_is_restarted_within_its_bound_plus
     recovery = marks["resumed"] - marks["stop"]
     print(f"SIGSTOP of the only worker -> resumed in {recovery:.1f} s (bound 5 s)")
     assert recovery < 5 + 30
-    assert "no Python stacks" in (ckpt / "hang-rank0.txt").read_text()
+    stacks = (ckpt / "hang-rank0.txt").read_text()  # read from outside: the stopped worker could not write them
+    assert "Python stacks read by py-spy" in stacks and "train_epoch" in stacks, stacks[-2000:]
 
 
 @pytest.mark.slow
