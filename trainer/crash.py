@@ -73,9 +73,10 @@ def describe(error: BaseException, rank: int, step: int | None, hosts: list[tupl
     first = message.strip().splitlines()[-1][:200] if message.strip() else type(error).__name__
     at = f" at step {step}" if step is not None else " before the first step"
     me = f"rank {rank} ({socket.gethostname()})"
-    if not LOST.search(message) and peers is not None:
+    lost_peer = LOST.search(message)
+    if not lost_peer and peers is not None:
         peers.note_failure()  # alive: the ranks that lost a connection to this one must not name it
-    if LOST.search(message):
+    if lost_peer:
         named = [(r, h) for r, h in lost_ranks(message, hosts) if r != rank]  # whose connection broke
         silent = peers.lost(hosts) if peers is not None else None  # who noted no failure of its own
         # the broken connection's peer if it is silent; else the silent ones (the peer only failed because of them)

@@ -83,7 +83,7 @@ class StepTimer:
         self.reset()
 
     def reset(self) -> None:
-        self._pairs: list[tuple] = []  # (data_start, data_end, step_end, forward_end)
+        self._pairs: list[tuple] = []  # (data_start, data_end, step_end)
         self._host_data = 0.0
         self._host_step = 0.0
         self._own: list = []  # since the last own_ms(): (data_start, forward_end) pairs, or host seconds

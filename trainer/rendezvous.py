@@ -49,8 +49,9 @@ class Reporter:
         host, _, port = endpoint.rpartition(":")
         self.host, self.port = host or endpoint, int(port or 29400)
         self.endpoint, self.run_id, self.join_timeout_s = endpoint, run_id, join_timeout_s
-        lo, _, hi = nnodes.partition(":")
-        self.min_nodes, self.max_nodes = int(lo), int(hi or lo)
+        from trainer.config import node_range
+
+        self.min_nodes, self.max_nodes = node_range(nnodes)
         self.say = say or (lambda line: print(line, file=sys.stderr, flush=True))
         self.members: list[str] = []
         """The nodes of the group that ran last (host names)."""
@@ -101,8 +102,7 @@ class Reporter:
         """Host names of the nodes taking part or waiting, whose keep-alive is fresh."""
         now = datetime.now(timezone.utc)
         beats = getattr(state, "last_heartbeats", {})
-        nodes = set(getattr(state, "participants", {})) | set(getattr(state, "wait_list", ())) | set(getattr(state, "redundancy_list", ()))
-        fresh = [n for n in nodes if n not in beats or (now - _utc(beats[n])).total_seconds() < STALE_HEARTBEAT_S]
+        fresh = [n for n in _round_nodes(state) if n not in beats or (now - _utc(beats[n])).total_seconds() < STALE_HEARTBEAT_S]
         return sorted({_host(n) for n in fresh})
 
     def _run(self) -> None:
@@ -150,9 +150,7 @@ class Reporter:
         state = self.state()
         if state is None or getattr(state, "round", None) != self.round or not getattr(state, "complete", False):
             return  # a new round is forming: torchrun stops its workers itself (with a save)
-        # a node that leaves to join the next round waits in wait_list; a dead one is nowhere
-        nodes = set(getattr(state, "participants", {})) | set(getattr(state, "wait_list", ())) | set(getattr(state, "redundancy_list", ()))
-        present = {_host(n) for n in nodes}
+        present = {_host(n) for n in _round_nodes(state)}  # one leaving for the next round waits in wait_list; a dead one is nowhere
         missing = {m for m in self.members if m not in present}
         lost, self._missing = sorted(missing & self._missing), missing  # missing at two checks in a row: not a node between two steps of its own
         if not lost:
@@ -178,6 +176,11 @@ class Reporter:
                      "training goes on from the newest checkpoint at the new world size")
         if nodes:
             self.members, self.left = nodes, []
+
+
+def _round_nodes(state) -> set:
+    """The nodes the round knows of: taking part, waiting for the next round, or redundant."""
+    return set(getattr(state, "participants", {})) | set(getattr(state, "wait_list", ())) | set(getattr(state, "redundancy_list", ()))
 
 
 @functools.lru_cache(maxsize=256)

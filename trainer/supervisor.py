@@ -270,35 +270,38 @@ class LostRendezvous:
                 f"exiting {EXIT_CRASH} so that the scheduler starts the job again")
 
 
+def _children(pid: int) -> list[int] | None:
+    """The process's children from /proc (exited ones it has not reaped included); None if /proc
+    cannot say (not Linux, or a kernel without CONFIG_PROC_CHILDREN)."""
+    tasks = Path(f"/proc/{pid}/task")
+    files = list(tasks.glob("*/children")) if tasks.is_dir() else []
+    if not files:
+        return None
+    children: list[int] = []
+    for f in files:
+        try:
+            children += [int(c) for c in f.read_text().split()]
+        except OSError:
+            continue
+    return children
+
+
 def _has_children(pid: int) -> bool | None:
     """Whether the process has a live child now (exited ones it has not reaped do not count: a
     blocked agent never reaps its dead worker); None if /proc cannot say."""
-    tasks = Path(f"/proc/{pid}/task")
-    if not tasks.is_dir():
+    children = _children(pid)
+    if children is None:
         return None
-    files, children = list(tasks.glob("*/children")), []
-    if not files:  # a kernel without CONFIG_PROC_CHILDREN
-        return None
-    for f in files:
-        try:
-            children += f.read_text().split()
-        except OSError:
-            continue
-    return any(not (_process_state(int(c)) or "Z").startswith(("Z", "X")) for c in children)
+    return any(not (_process_state(c) or "Z").startswith(("Z", "X")) for c in children)
 
 
 def kill_children(pid: int) -> None:
-    """SIGKILL every live child of ``pid`` (torchrun's workers): torchrun then restarts its group."""
-    for f in Path(f"/proc/{pid}/task").glob("*/children"):
+    """SIGKILL every child of ``pid`` (torchrun's workers): torchrun then restarts its group."""
+    for c in _children(pid) or []:
         try:
-            children = [int(c) for c in f.read_text().split()]
-        except OSError:
-            continue
-        for c in children:
-            try:
-                os.kill(c, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            os.kill(c, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _process_state(pid: int) -> str | None:
@@ -579,10 +582,12 @@ def _where_lost(argv: list[str]) -> str:
             steps += [int(m) for m in re.findall(r" (?:at|after) step (\d+)", p.read_text())]
         except OSError:
             continue
+    from trainer.checkpoint import newest_complete  # torchrun's process: torch is imported already
+
     cfg = _training_config(argv)
-    found = sorted(Path(cfg.checkpoint.dir).glob("step-*/meta.json"), key=lambda m: int(m.parent.name[5:]) if m.parent.name[5:].isdigit() else -1) if cfg else []
+    found = newest_complete(Path(cfg.checkpoint.dir)) if cfg else None
     at = f"at step {max(steps)}" if steps else "during training"
-    return f"{at} (the job resumes from {found[-1].parent.name})" if found else at
+    return f"{at} (the job resumes from {found.name})" if found else at
 
 
 def rendezvous_failure(argv: list[str], error: BaseException, left: list[str] | None = None) -> str:

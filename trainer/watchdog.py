@@ -25,11 +25,11 @@ before the collective timeout. It is armed by the first beat
    fresh while the run progresses; a file older than the bound plus HEARTBEAT_MARGIN_S gets its
    worker killed, and a note of its process state in the same hang file.
 
-Whom a rank waited for: with other ranks, each watchdog thread also publishes its rank's host,
-step and phase (data, step, eval, save) to the job's store every PUBLISH_S (its own connection,
-with a short timeout, so a store that stops answering never blocks it). A rank whose watchdog is
-past half its bound reads the others' records, so the line it prints when it fires names the rank
-that stopped: one whose record no longer moves (stopped, frozen, or its host lost), one blocked
+Whom a rank waited for: with other ranks, a second thread (Peers.follow) publishes the rank's
+host, step and phase (data, step, eval, save) to the job's store every PUBLISH_S (its own
+connection, with a short timeout; a store call that blocks delays that thread, never the
+watchdog's). Once a rank's progress is past a third of its bound it reads the others' records,
+so the line it prints when it fires names the rank that stopped: one whose record no longer moves (stopped, frozen, or its host lost), one blocked
 in its data read, or a store that no longer answers (rank 0's host).
 """
 
@@ -112,9 +112,10 @@ class Watchdog:
 
     def _pause(self, gap: float, is_step: bool) -> None:
         """An ordinary pause may raise the bound; a stall (the run recovered from it) does not."""
-        stall = len(self._gaps) >= 3 and gap > STALL * statistics.median(self._gaps)
+        median = statistics.median(self._gaps) if len(self._gaps) >= 3 else None
+        stall = median is not None and gap > STALL * median
         if stall and is_step and self._last_was_step:
-            self.stalled_s += gap - statistics.median(self._gaps)
+            self.stalled_s += gap - median
         self._gaps.append(gap)
         if not stall and gap > self.slowest:
             self.slowest = gap
