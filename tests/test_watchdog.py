@@ -40,26 +40,48 @@ def test_a_recovered_stall_raises_no_bound_and_is_left_out_of_the_pace(tmp_path)
     became 10 x 121 s before), and the progress lines leave its time out."""
     dog = Watchdog(180, tmp_path, 0, timeout_s=300)
     for _step in range(1, 11):
-        dog._pause(0.1, True)
-        dog._last_was_step = True
-    dog._pause(121.0, True)
+        dog._pause(0.1, "step")
+        dog._last_kind = "step"
+    dog._pause(121.0, "step")
     assert dog.slowest == pytest.approx(0.1) and dog.bound() == 180
     assert dog.stalled_s == pytest.approx(120.9)
-    dog._pause(0.1, True)
+    dog._pause(0.1, "step")
     assert dog.stalled_s == pytest.approx(120.9)  # an ordinary step adds nothing
+
+
+def test_a_stall_that_falls_in_a_save_counts_as_a_stall_but_a_slow_save_by_nature_does_not(tmp_path):
+    """Saves are compared with saves: a save that always takes 3 s among 0.1 s steps is the run's
+    nature (it raises the bound, is no stall); one blocked 60 s by a cut link is a stall."""
+    dog = Watchdog(10, tmp_path, 0, timeout_s=300, world_size=2)
+    for step in range(1, 41):
+        dog._pause(0.1, "step")
+        if step % 8 == 0:
+            dog._pause(3.0, "save")
+            dog._last_kind = "save"
+        else:
+            dog._last_kind = "step"
+    assert dog.stalled_s == 0 and dog.bound() == pytest.approx(30)
+    dog._pause(63.0, "save")
+    assert dog.stalled_s == pytest.approx(60) and dog.bound() == pytest.approx(30)
+    dog._last_kind = "save"
+    dog._pause(0.1, "step")  # the step after the save: ordinary
+    assert dog.stalled_s == pytest.approx(60)
+    dog._last_kind = "eval"
+    dog._pause(5.0, "step")  # the first step of an epoch, after evaluation: its start, not a stall
+    assert dog.stalled_s == pytest.approx(60)
 
 
 def test_slow_steps_raise_the_bound_but_never_past_the_collective_timeout(tmp_path):
     dog = Watchdog(30, tmp_path, 0, timeout_s=300, world_size=2)
     for _ in range(5):
-        dog._pause(8.0, True)  # slow by nature: every step
+        dog._pause(8.0, "step")  # slow by nature: every step
     assert dog.stalled_s == 0 and dog.bound() == pytest.approx(80)
     for _ in range(5):
-        dog._pause(40.0, True)
+        dog._pause(40.0, "step")
     assert dog.bound() == pytest.approx(0.9 * 300)  # 10 x 40 s would pass dist.timeout_s
     alone = Watchdog(30, tmp_path, 0, timeout_s=300)  # one process: no collective, no ceiling
     for _ in range(5):
-        alone._pause(40.0, True)
+        alone._pause(40.0, "step")
     assert alone.bound() == pytest.approx(400)
     assert Watchdog(180, tmp_path, 0, timeout_s=30, world_size=2).bound() == pytest.approx(27)  # the setting itself is held below it
 

@@ -278,7 +278,7 @@ class Trainer:
         if sync or not r.fast.async_save:  # decided alike on every rank (only rank 0 writes)
             barrier(self.rt)  # the others wait until the checkpoint is on disk
         self.last_saved = st.step
-        r.watchdog.beat()
+        r.watchdog.beat(kind="save")
 
     def profiled(self, summary: dict | None) -> None:
         if summary is not None:

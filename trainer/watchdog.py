@@ -9,8 +9,8 @@ Progress is a finished training step, evaluation batch or checkpoint save (``bea
 reads, no sync). The bound is ``dist.hang_timeout_s``, raised to 10x the longest ordinary pause
 between two beats, so a run whose steps or saves are slow by nature is never cut short. A pause
 that the run recovered from (a link cut ridden out, a slow read: more than STALL times the median
-pause) is a stall, not the run's nature: it raises nothing, and the progress lines leave its time
-out. With other ranks, the bound stays below ``dist.timeout_s`` (CEILING of it) however slow the
+of the recent pauses of its kind, a step's or a save's) is a stall, not the run's nature: it
+raises nothing, and the progress lines leave its time out, wherever in the step or the save it fell. With other ranks, the bound stays below ``dist.timeout_s`` (CEILING of it) however slow the
 steps and whatever ``dist.hang_timeout_s`` says, so a hang outside a collective leaves stacks
 before the collective timeout. It is armed by the first beat
 (after compilation and the first step), and watched in three places:
@@ -66,6 +66,9 @@ NOTE_WAIT_S = 3.0
 
 
 class Watchdog:
+    KINDS = ("step", "save", "eval")
+    """What a beat ends: its pauses are compared with the recent pauses of the same kind."""
+
     def __init__(self, bound_s: float, root: Path, rank: int, timeout_s: float = 0.0, world_size: int = 1):
         self.bound_s, self.root, self.rank = float(bound_s), Path(root), rank
         # with other ranks, below their collective timeout (a process alone has none)
@@ -77,8 +80,8 @@ class Watchdog:
         """Seconds of stalls between training steps so far (the progress lines leave them out)."""
         self.step = 0
         self.phase = "start"
-        self._gaps: deque[float] = deque(maxlen=HISTORY)
-        self._last_was_step = False
+        self._gaps: dict[str, deque[float]] = {kind: deque(maxlen=HISTORY) for kind in self.KINDS}
+        self._last_kind = "start"
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         folder = os.environ.get(EXIT_DIR_ENV)
@@ -96,27 +99,33 @@ class Watchdog:
         """What the main thread does now (data, step, eval, save): named when it hangs."""
         self.phase = phase
 
-    def beat(self, step: int | None = None) -> None:
-        """Progress. The first call arms the watchdog."""
+    def beat(self, step: int | None = None, kind: str = "eval") -> None:
+        """Progress: training step ``step`` done, or else an evaluation batch or (kind="save") a
+        checkpoint save. The first call arms the watchdog."""
         now = time.monotonic()
+        kind = "step" if step is not None else kind
         if self.last is not None:
-            self._pause(now - self.last, step is not None)
+            self._pause(now - self.last, kind)
         if step is not None:
             self.step = step
-        self._last_was_step = step is not None
+        self._last_kind = kind
         first, self.last = self.last is None, now
         if first and self.enabled:
             self._write_heartbeat(self.bound_s)
             self._thread = threading.Thread(target=self._watch, name="hang-watchdog", daemon=True)
             self._thread.start()
 
-    def _pause(self, gap: float, is_step: bool) -> None:
-        """An ordinary pause may raise the bound; a stall (the run recovered from it) does not."""
-        median = statistics.median(self._gaps) if len(self._gaps) >= 3 else None
+    def _pause(self, gap: float, kind: str) -> None:
+        """An ordinary pause may raise the bound; a stall (the run recovered from it) does not.
+        Stalls inside the training loop (a step's pause, or a save's: a cut link blocks the log
+        line's or the stop poll's collective just as well) count in ``stalled_s``; the first step
+        after an evaluation is left alone, its pause holds the epoch's start."""
+        gaps = self._gaps[kind]
+        median = statistics.median(gaps) if len(gaps) >= 3 else None
         stall = median is not None and gap > STALL * median
-        if stall and is_step and self._last_was_step:
+        if stall and kind in ("step", "save") and self._last_kind in ("step", "save"):
             self.stalled_s += gap - median
-        self._gaps.append(gap)
+        gaps.append(gap)
         if not stall and gap > self.slowest:
             self.slowest = gap
 
