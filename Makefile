@@ -24,7 +24,7 @@ CHECKPOINTS ?= checkpoints
 BUILD ?= --build
 DATA_ARGS := $(if $(DATA),data.name=imagefolder data.dir=$(DATA))
 
-.PHONY: venv tools run-local test test-slow test-all test-gpu container-test lint bench image push compose-up k8s-storage k8s-apply slurm-submit torchx-k8s slurm-up clean
+.PHONY: venv tools run-local test test-slow test-all test-gpu container-test lint bench image push compose-up k8s-storage k8s-apply k8s-checkov slurm-submit torchx-k8s slurm-up clean
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -128,14 +128,30 @@ k8s-storage: tools
 # (render.py: one line, exit 2).
 given = $(filter command line environment,$(origin $(1)))
 K8S_SIZE = $(if $(filter single-gpu,$(K8S)),$(if $(call given,NODES),--nodes '$(NODES)') $(if $(call given,GPUS),--gpus '$(GPUS)'),--nodes '$(NODES)' --gpus '$(GPUS)')
+K8S_JOBS := $(filter-out storage,$(notdir $(patsubst %/,%,$(dir $(wildcard k8s/*/kustomization.yaml)))))
+check-k8s = case " $(K8S_JOBS) " in *" $(K8S) "*) ;; *) echo "error: K8S=$(K8S) is not a job folder of k8s/; use one of: $(K8S_JOBS)" >&2; exit 2;; esac
 k8s-apply: tools
-	manifest=$$(kubectl kustomize k8s/$(K8S) | $(TOOLS)/python k8s/render.py --image '$(IMAGE)' $(K8S_SIZE) $(if $(NAMESPACE),--namespace '$(NAMESPACE)')) \
-		&& echo "$$manifest" | kubectl apply -f -
+	@$(check-k8s)
+	manifest=$$(kubectl kustomize k8s/$(K8S) | $(TOOLS)/python k8s/render.py --image '$(IMAGE)' $(K8S_SIZE) $(if $(NAMESPACE),--namespace '$(NAMESPACE)') \
+		$(if $(call given,CONFIG),--config '$(CONFIG)') $(if $(ARGS),--args '$(ARGS)')) && echo "$$manifest" | kubectl apply -f -
 
+## checkov on what ships: every pod template of K8S as the Job checkov knows, with the manifest's waivers
+k8s-checkov: $(CHECKOV)
+	@$(check-k8s)
+	@jobs=$$(mktemp --suffix=.yaml); kubectl kustomize k8s/$(K8S) | $(PYTHON) k8s/render.py --as-jobs > $$jobs \
+		&& $(CHECKOV) -f $$jobs --framework kubernetes --skip-download --compact --quiet; rc=$$?; rm -f $$jobs; exit $$rc
+
+whole = case "$($(1))" in ""|*[!0-9]*|0*) echo "error: $(1)='$($(1))' is not a whole number of at least 1; pass e.g. $(1)=$(2)" >&2; exit 2;; esac
 slurm-submit:
+	@$(call whole,NODES,2); $(call whole,GPUS,8)
+	@test -f '$(CONFIG)' || { echo "error: CONFIG=$(CONFIG) does not exist; pass a file of configs/ (e.g. CONFIG=configs/default.yaml)" >&2; exit 2; }
 	CONFIG=$(CONFIG) sbatch --nodes=$(NODES) --gpus-per-node=$(GPUS) slurm/ddp.sh $(ARGS)
 
+## TorchX's Volcano job on the cluster of your kubeconfig, with the pushed IMAGE
 torchx-k8s: tools
+	@$(call whole,NODES,2); $(call whole,GPUS,8)
+	@$(TOOLS)/python k8s/render.py --check-image '$(IMAGE)'
+	@kubectl config current-context >/dev/null 2>&1 || { echo "error: no Kubernetes cluster configured (kubectl config current-context fails); set KUBECONFIG or write ~/.kube/config, then run make torchx-k8s again" >&2; exit 2; }
 	$(TOOLS)/torchx run --workspace "" -s kubernetes trainer/components.py:train_ddp --image $(IMAGE) \
 		--j $(NODES)x$(GPUS) --gpu $(GPUS) --config $(CONFIG) --checkpoint_mount cifar-checkpoints --data_mount cifar-data -- $(ARGS)
 

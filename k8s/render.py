@@ -2,13 +2,16 @@
 the PVCs (`make k8s-storage`), and the namespace of either:
     kubectl kustomize k8s/multi-node | python k8s/render.py --image IMG --nodes 4 --gpus 8 | kubectl apply -f -
     kubectl kustomize k8s/storage | python k8s/render.py --storage-class efs-sc --namespace team-a | kubectl apply -f -
+    kubectl kustomize k8s/trainjob | python k8s/render.py --as-jobs > jobs.yaml && checkov -f jobs.yaml   # make k8s-checkov
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import shlex
 import sys
+from pathlib import Path
 
 import yaml
 
@@ -25,7 +28,9 @@ LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
 _DOMAIN = r"(?:[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)(?:\.[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)*(?::[0-9]+)?"
 REFERENCE = re.compile(rf"^(?:(?P<domain>{_DOMAIN})/)?(?P<path>{_COMPONENT}(?:/{_COMPONENT})*)"
-                       r"(?::(?P<tag>\w[\w.-]{0,127}))?(?:@(?P<digest>[a-z0-9]+(?:[.+_-][a-z0-9]+)*:[0-9a-fA-F]{32,}))?$")
+                       r"(?::(?P<tag>\w[\w.-]{0,127}))?(?:@(?P<digest>.*))?$")
+DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+"""The only digest the kubelet pulls by: sha256, 64 lower-case hex digits."""
 
 
 def check_image(image: str) -> None:
@@ -34,10 +39,46 @@ def check_image(image: str) -> None:
     m = REFERENCE.match(image)
     if not m or len(image) > 255:
         raise RenderError(f"--image={image} is not an image reference; use IMAGE=REGISTRY[:PORT]/NAME:TAG or IMAGE=REGISTRY/NAME@sha256:DIGEST")
+    if m["digest"] is not None and not DIGEST.match(m["digest"]):
+        raise RenderError(f"--image={image}: the digest must be sha256: and 64 lower-case hex digits (the kubelet pulls no other); "
+                          "copy it from `make push` or `docker buildx imagetools inspect IMAGE`")
     if m["domain"] is None and "/" not in m["path"]:
         raise RenderError(f"--image={image} is a local name that a cluster cannot pull; push the image to a registry (make image push REGISTRY=...) and pass IMAGE=REGISTRY/NAME:TAG")
     if not (m["tag"] or m["digest"]):
         raise RenderError(f"--image={image} has neither tag nor digest; pass IMAGE=...:TAG or IMAGE=...@sha256:DIGEST (a digest pins the exact image)")
+
+
+def check_run(config: str | None, args: list[str]) -> None:
+    """CONFIG must ship in the image (configs/), and it and ARGS must load as the trainer loads them."""
+    root = Path(__file__).resolve().parent.parent
+    if config is not None:
+        shipped = sorted(p.name for p in (root / "configs").glob("*.yaml"))
+        if Path(config).parent != Path("configs") or Path(config).name not in shipped:
+            raise RenderError(f"CONFIG={config} is not in the image, which holds configs/ ({', '.join(shipped)}): add the file to "
+                              "configs/, rebuild and push the image, or pass ARGS=key=value ... on top of a shipped config")
+    sys.path.insert(0, str(root))
+    from trainer.config import ConfigError, load_config  # yaml only: no torch in the tools venv
+
+    try:
+        load_config(root / (config or "configs/default.yaml"), args)
+    except ConfigError as e:
+        raise RenderError(f"{e} (CONFIG / ARGS)") from None
+
+
+def trainer_pods(doc: dict) -> list[dict]:
+    """The pod specs of a job kind this renders (a PyTorchJob's replicas, a TrainingRuntime's Jobs)."""
+    if doc.get("kind") == "PyTorchJob":
+        return [r["template"]["spec"] for r in doc["spec"]["pytorchReplicaSpecs"].values()]
+    if doc.get("kind") == "TrainingRuntime":
+        return [j["template"]["spec"]["template"]["spec"] for j in doc["spec"]["template"]["spec"]["replicatedJobs"]]
+    return []
+
+
+def one_gpu(doc: dict) -> bool:
+    """A job of one pod with one GPU (k8s/single-gpu, k8s/trainjob-single)."""
+    if doc.get("kind") == "PyTorchJob":
+        return "Worker" not in doc["spec"]["pytorchReplicaSpecs"]
+    return doc.get("kind") == "TrainJob" and doc["spec"]["trainer"].get("numNodes", 1) == 1 and doc["spec"]["trainer"].get("numProcPerNode") == 1
 
 
 def check(docs: list[dict], image: str | None, nodes: int | None, gpus: int | None, storage_class: str | None = None,
@@ -56,38 +97,84 @@ def check(docs: list[dict], image: str | None, nodes: int | None, gpus: int | No
     if storage_class is not None and not NAME.match(storage_class):
         raise RenderError(f"--storage-class={storage_class!r} is not a storage class name; use {RWX_HINT}")
     for doc in docs:
-        if doc.get("kind") == "PyTorchJob" and "Worker" not in doc["spec"]["pytorchReplicaSpecs"] and ((nodes or 1) > 1 or (gpus or 1) > 1):
-            raise RenderError(f"{doc['metadata']['name']} is one pod with one GPU, not NODES={nodes} GPUS={gpus}; use K8S=multi-node for more")
+        if one_gpu(doc) and ((nodes or 1) > 1 or (gpus or 1) > 1):
+            bigger = "trainjob" if doc["kind"] == "TrainJob" else "multi-node"
+            raise RenderError(f"{doc['metadata']['name']} is one pod with one GPU, not NODES={nodes} GPUS={gpus}; use K8S={bigger} for more")
+
+
+def _resources(gpus: int) -> dict:
+    return {part: {"nvidia.com/gpu": gpus, "cpu": str(2 * gpus), "memory": f"{8 * gpus}Gi"} for part in ("limits", "requests")}
+
+
+def _pytorchjob(spec: dict, nodes: int | None, gpus: int | None) -> None:
+    replicas = spec["pytorchReplicaSpecs"]
+    if gpus is not None:
+        spec["nprocPerNode"] = str(gpus)
+    if nodes is not None and "elasticPolicy" in spec:  # Workers only: NODES is the most, the least stays (or shrinks to it)
+        replicas["Worker"]["replicas"] = spec["elasticPolicy"]["maxReplicas"] = nodes
+        spec["elasticPolicy"]["minReplicas"] = min(spec["elasticPolicy"]["minReplicas"], nodes)
+    elif nodes is not None and "Worker" in replicas:
+        replicas["Worker"]["replicas"] = nodes - 1
+    if nodes is not None and "schedulingPolicy" in spec.get("runPolicy", {}):  # the gang: every pod, or the elastic least
+        spec["runPolicy"]["schedulingPolicy"]["minAvailable"] = spec["elasticPolicy"]["minReplicas"] if "elasticPolicy" in spec else nodes
+    for replica in replicas.values():
+        for c in replica["template"]["spec"]["containers"]:
+            if gpus is not None and c["name"] == "pytorch":
+                c["resources"] = _resources(gpus)
 
 
 def render(docs: list[dict], image: str | None, nodes: int | None, gpus: int | None, storage_class: str | None = None,
-           namespace: str | None = None) -> list[dict]:
+           namespace: str | None = None, config: str | None = None, args: list[str] | None = None) -> list[dict]:
     check(docs, image, nodes, gpus, storage_class, namespace)
+    if config is not None or args:
+        check_run(config, args or [])
     for doc in docs:
         if namespace:
             doc["metadata"]["namespace"] = namespace
         if doc.get("kind") == "PersistentVolumeClaim":
             doc["spec"]["storageClassName"] = storage_class
-        if doc.get("kind") != "PyTorchJob":
-            continue
-        spec = doc["spec"]
-        replicas = spec["pytorchReplicaSpecs"]
-        if gpus is not None:
-            spec["nprocPerNode"] = str(gpus)
-        if nodes is not None and "elasticPolicy" in spec:  # Workers only: NODES is the most, the least stays (or shrinks to it)
-            replicas["Worker"]["replicas"] = spec["elasticPolicy"]["maxReplicas"] = nodes
-            spec["elasticPolicy"]["minReplicas"] = min(spec["elasticPolicy"]["minReplicas"], nodes)
-        elif nodes is not None and "Worker" in replicas:
-            replicas["Worker"]["replicas"] = nodes - 1
-        for replica in replicas.values():
-            pod = replica["template"]["spec"]
+        if doc.get("kind") == "PyTorchJob":
+            _pytorchjob(doc["spec"], nodes, gpus)
+        if doc.get("kind") == "TrainJob":
+            trainer = doc["spec"]["trainer"]
+            if nodes is not None:
+                trainer["numNodes"] = nodes
+            if gpus is not None:
+                trainer["numProcPerNode"] = gpus
+                trainer["resourcesPerNode"] = _resources(gpus)
+        for pod in trainer_pods(doc):
             for c in pod.get("initContainers", []) + pod["containers"]:
                 if image:
                     c["image"] = image
-                if gpus is not None and c["name"] == "pytorch":
-                    for part in ("limits", "requests"):
-                        c["resources"][part].update({"nvidia.com/gpu": gpus, "cpu": str(2 * gpus), "memory": f"{8 * gpus}Gi"})
+                line = c.get("args") if c["name"] in ("pytorch", "node") else c.get("command")
+                if config is not None and line and "--config" in line:  # the trainer's and the data container's
+                    line[line.index("--config") + 1] = config
+                if args and c["name"] in ("pytorch", "node"):
+                    c["args"] += args
+            for v in pod.get("volumes", []):  # shared memory counts against the memory limit: a quarter of it
+                if gpus is not None and v.get("emptyDir", {}).get("medium") == "Memory":
+                    v["emptyDir"]["sizeLimit"] = f"{2 * gpus}Gi"
     return docs
+
+
+def as_jobs(docs: list[dict]) -> list[dict]:
+    """Every pod template as the batch/v1 Job that policy scanners know (checkov skips PyTorchJobs
+    and TrainingRuntimes: on our files as shipped it finds 0 resources), each with its job's
+    waivers (checkov.io/skip annotations, with their reasons): `make k8s-checkov`."""
+    jobs = []
+    for doc in docs:
+        meta = doc["metadata"]
+        waivers = {k: v for k, v in meta.get("annotations", {}).items() if k.startswith("checkov.io/")}
+        if doc.get("kind") == "PyTorchJob":
+            specs = {role.lower(): {"template": r["template"]} for role, r in doc["spec"]["pytorchReplicaSpecs"].items()}
+        elif doc.get("kind") == "TrainingRuntime":
+            specs = {j["name"]: j["template"]["spec"] for j in doc["spec"]["template"]["spec"]["replicatedJobs"]}
+        else:
+            continue
+        for name, spec in specs.items():
+            jobs.append({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": f"{meta['name']}-{name}", "annotations": waivers},
+                         "spec": spec})
+    return jobs
 
 
 def count(flag: str, value: str | None) -> int | None:
@@ -106,10 +193,25 @@ def main() -> None:
     p.add_argument("--gpus")
     p.add_argument("--storage-class")
     p.add_argument("--namespace")
+    p.add_argument("--config", help="a config of configs/ (it ships in the image)")
+    p.add_argument("--args", help="overrides for the trainer, key=value ... (make's ARGS)")
+    p.add_argument("--as-jobs", action="store_true", help="every pod template as a batch/v1 Job, with its waivers (for checkov)")
+    p.add_argument("--check-image", metavar="IMAGE", help="only check that a cluster can pull IMAGE")
     a = p.parse_args()
+    if a.check_image is not None:
+        try:
+            check_image(a.check_image)
+        except RenderError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+        return
     docs = [d for d in yaml.safe_load_all(sys.stdin) if d]
+    if a.as_jobs:
+        yaml.safe_dump_all(as_jobs(docs), sys.stdout, sort_keys=False)
+        return
     try:
-        out = render(docs, a.image, count("nodes", a.nodes), count("gpus", a.gpus), a.storage_class, a.namespace)
+        out = render(docs, a.image, count("nodes", a.nodes), count("gpus", a.gpus), a.storage_class, a.namespace, a.config,
+                     shlex.split(a.args) if a.args else None)
     except RenderError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -5,13 +5,17 @@ and TorchX (a real local_cwd run and the kubernetes and slurm dry runs)."""
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jsonschema
@@ -20,8 +24,13 @@ import pytest
 import yaml
 from conftest import ROOT, env, free_port, run
 
-SCHEMAS = ROOT.parent / "shared" / "schemas"
-K8S_DIRS = ["storage", "multi-node", "single-gpu", "elastic"]
+sys.path.insert(0, str(ROOT / "k8s"))  # render.py, the manifests' renderer
+
+SCHEMAS = ROOT / "tests" / "schemas"
+K8S_DIRS = ["storage", "multi-node", "single-gpu", "elastic", "trainjob", "trainjob-single"]
+JOB_DIRS = K8S_DIRS[1:]
+CRDS = {"PyTorchJob": "kubeflow.org_pytorchjobs.yaml", "TrainJob": "kubeflow-trainer-v2/trainer.kubeflow.org_trainjobs.yaml",
+        "TrainingRuntime": "kubeflow-trainer-v2/trainer.kubeflow.org_trainingruntimes.yaml"}
 TINY_JOB = ["model.name=tinynet", "data.name=synthetic", "data.synthetic_train_size=512", "data.synthetic_test_size=128",
             "train.batch_size=32", "train.epochs=1", "train.plot=false", "train.log_every=8"]
 
@@ -31,9 +40,44 @@ def bin_(name: str) -> str:
     return str(path) if path.exists() else (shutil.which(name) or name)
 
 
+def schema(name: str) -> dict:
+    """A vendored schema, after checking it is the file tests/schemas/SOURCES.md lists."""
+    path = SCHEMAS / name
+    listed = dict(re.findall(r"^\| (\S+) \|.*\| ([0-9a-f]{64}) \|$", (SCHEMAS / "SOURCES.md").read_text(), re.M))
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == listed[name], f"{name} is not the file SOURCES.md lists"
+    return yaml.safe_load(path.read_text())
+
+
 def crd_schema(name: str) -> dict:
-    crd = yaml.safe_load((SCHEMAS / name).read_text())
-    return next(v for v in crd["spec"]["versions"] if v.get("storage"))["schema"]["openAPIV3Schema"]
+    return next(v for v in schema(name)["spec"]["versions"] if v.get("storage"))["schema"]["openAPIV3Schema"]
+
+
+def unknown_fields(doc, sch: dict, where: str = "") -> list[str]:
+    """Fields a CRD's structural schema does not know: the API server drops them without a word
+    (pruning), so a misspelt setting would silently not apply."""
+    if isinstance(doc, dict) and sch.get("type") == "object" and not sch.get("x-kubernetes-preserve-unknown-fields"):
+        props, extra = sch.get("properties"), sch.get("additionalProperties")
+        out = []
+        for k, v in doc.items():
+            if props is not None and k in props:
+                out += unknown_fields(v, props[k], f"{where}.{k}")
+            elif isinstance(extra, dict):
+                out += unknown_fields(v, extra, f"{where}.{k}")
+            elif props is not None:
+                out.append(f"{where}.{k}")
+        return out
+    if isinstance(doc, list) and isinstance(sch.get("items"), dict):
+        return [u for i, v in enumerate(doc) for u in unknown_fields(v, sch["items"], f"{where}[{i}]")]
+    return []
+
+
+def pod_templates(doc: dict) -> dict[str, dict]:
+    """A job's pod templates by replica: a PyTorchJob's replicas, a TrainingRuntime's replicated Jobs."""
+    if doc["kind"] == "PyTorchJob":
+        return {role: r["template"] for role, r in doc["spec"]["pytorchReplicaSpecs"].items()}
+    if doc["kind"] == "TrainingRuntime":
+        return {j["name"]: j["template"]["spec"]["template"] for j in doc["spec"]["template"]["spec"]["replicatedJobs"]}
+    return {}
 
 
 def manifests(folder: str) -> list[dict]:
@@ -106,17 +150,26 @@ def test_shell_scripts_are_shellcheck_clean():
 
 @pytest.mark.parametrize("folder", K8S_DIRS)
 def test_every_manifest_validates(folder):
-    pytorchjob = crd_schema("kubeflow.org_pytorchjobs.yaml")
-    pod_template = yaml.safe_load((SCHEMAS / "k8s" / "podtemplatespec-v1.json").read_text())
-    pvc = yaml.safe_load((SCHEMAS / "k8s" / "persistentvolumeclaim-v1.json").read_text())
+    """Custom resources against their CRDs (with no field the API server would drop), their pod
+    templates and a runtime's Job templates against the strict Kubernetes schemas, the rest with
+    kubernetes-validate."""
+    pod_template = schema("k8s/podtemplatespec-v1.json")
+    job = schema("k8s/job-batch-v1.json")
+    pvc = schema("k8s/persistentvolumeclaim-v1.json")
     docs = manifests(folder)
     assert docs
     for doc in docs:
-        if doc["kind"] == "PyTorchJob":
-            assert doc["apiVersion"] == "kubeflow.org/v1"
-            jsonschema.Draft7Validator(pytorchjob).validate(doc)
-            for replica in doc["spec"]["pytorchReplicaSpecs"].values():
-                jsonschema.Draft7Validator(pod_template).validate(replica["template"])
+        if doc["kind"] in CRDS:
+            assert doc["apiVersion"] == ("kubeflow.org/v1" if doc["kind"] == "PyTorchJob" else "trainer.kubeflow.org/v1alpha1")
+            crd = crd_schema(CRDS[doc["kind"]])
+            jsonschema.Draft7Validator(crd).validate(doc)
+            assert unknown_fields(doc, crd) == []
+            for template in pod_templates(doc).values():
+                jsonschema.Draft7Validator(pod_template).validate(template)
+            for replicated in doc["spec"]["template"]["spec"]["replicatedJobs"] if doc["kind"] == "TrainingRuntime" else []:
+                wrapped = {"apiVersion": "batch/v1", "kind": "Job", **replicated["template"]}
+                jsonschema.Draft7Validator(job).validate(wrapped)
+                kubernetes_validate.validate(wrapped, "1.30", strict=True)
         else:
             kubernetes_validate.validate(doc, "1.30", strict=True)
             if doc["kind"] == "PersistentVolumeClaim":
@@ -127,8 +180,14 @@ def test_a_broken_manifest_fails_validation():
     doc = manifests("multi-node")[0]
     doc["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["volumeMount"] = []
     with pytest.raises(jsonschema.ValidationError):
-        jsonschema.Draft7Validator(yaml.safe_load((SCHEMAS / "k8s" / "podtemplatespec-v1.json").read_text())).validate(
-            doc["spec"]["pytorchReplicaSpecs"]["Master"]["template"])
+        jsonschema.Draft7Validator(schema("k8s/podtemplatespec-v1.json")).validate(doc["spec"]["pytorchReplicaSpecs"]["Master"]["template"])
+    runtime, trainjob = manifests("trainjob")
+    del runtime["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["podFailurePolicy"]["rules"][0]["onExitCodes"]["values"]
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.Draft7Validator(crd_schema(CRDS["TrainingRuntime"])).validate(runtime)
+    trainjob["spec"]["trainer"]["numProcsPerNode"] = 8  # misspelt: the CRD accepts it, the API server would drop it
+    jsonschema.Draft7Validator(crd_schema(CRDS["TrainJob"])).validate(trainjob)
+    assert unknown_fields(trainjob, crd_schema(CRDS["TrainJob"])) == [".spec.trainer.numProcsPerNode"]
 
 
 @pytest.mark.parametrize("folder", K8S_DIRS)
@@ -139,7 +198,8 @@ def test_kustomize_builds(folder):
     assert out.returncode == 0, out.stderr
     kinds = [d["kind"] for d in yaml.safe_load_all(out.stdout) if d]
     # the PVCs are theirs alone: `kubectl delete -k k8s/<job>` deletes only what this builds
-    assert kinds == (["PersistentVolumeClaim"] * 2 if folder == "storage" else ["PyTorchJob"]), kinds
+    expected = {"storage": ["PersistentVolumeClaim"] * 2, "trainjob": ["TrainingRuntime", "TrainJob"], "trainjob-single": ["TrainingRuntime", "TrainJob"]}
+    assert kinds == expected.get(folder, ["PyTorchJob"]), kinds
     if folder != "storage":
         assert "ghcr.io/cluster-trainer/cluster-trainer:0.1.0" in out.stdout
 
@@ -170,9 +230,8 @@ def restricted(pod: dict) -> list[str]:
 
 
 def test_every_pod_passes_pod_security_restricted():
-    pods = [r["template"]["spec"] for f in ("multi-node", "single-gpu", "elastic") for d in manifests(f) if d["kind"] == "PyTorchJob"
-            for r in d["spec"]["pytorchReplicaSpecs"].values()]
-    assert len(pods) == 4
+    pods = [t["spec"] for f in JOB_DIRS for d in manifests(f) for t in pod_templates(d).values()]
+    assert len(pods) == 6
     for pod in pods:
         assert restricted(pod) == []
     broken = copy.deepcopy(pods[0])
@@ -185,27 +244,28 @@ def test_every_pod_passes_pod_security_restricted():
 CHECKOV = ROOT / ".venv-checkov" / "bin" / "checkov"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("folder", ["single-gpu", "multi-node", "elastic"])
-def test_checkov_finds_nothing_unwaived_in_the_pod_templates(folder, tmp_path):
-    """checkov (`make test-slow` installs it) on every pod template, each wrapped as the Job that
-    checkov knows (it skips PyTorchJobs), with the PyTorchJob's waivers: every check passes or is
-    waived in the manifest with its reason."""
+def checkov(path: Path, framework: str) -> dict:
     assert CHECKOV.exists(), "checkov is missing: make test-slow installs it (.venv-checkov)"
-    jobs = []
-    for doc in manifests(folder):
-        if doc["kind"] == "PyTorchJob":
-            for replica, spec in doc["spec"]["pytorchReplicaSpecs"].items():
-                meta = {"name": f"{doc['metadata']['name']}-{replica.lower()}", "annotations": doc["metadata"].get("annotations", {})}
-                jobs.append({"apiVersion": "batch/v1", "kind": "Job", "metadata": meta, "spec": {"template": spec["template"]}})
-    waivers = {v.split("=", 1)[0]: v.split("=", 1)[1] for k, v in jobs[0]["metadata"]["annotations"].items() if k.startswith("checkov.io/skip")}
-    assert all(len(reason) > 20 for reason in waivers.values()), waivers  # each with its reason
-    (tmp_path / "jobs.yaml").write_text(yaml.safe_dump_all(jobs))
-    p = subprocess.run([str(CHECKOV), "-f", str(tmp_path / "jobs.yaml"), "--framework", "kubernetes", "--skip-download", "-o", "json"],
+    p = subprocess.run([str(CHECKOV), "-f", str(path), "--framework", framework, "--skip-download", "-o", "json"],
                        capture_output=True, text=True, env={**env(), "BC_SKIP_MAPPING": "TRUE"})
     assert p.stdout.lstrip().startswith("{"), p.stderr[-3000:]
-    report = json.loads(p.stdout)
-    results = report["results"]
+    return json.loads(p.stdout)["results"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("folder", JOB_DIRS)
+def test_checkov_finds_nothing_unwaived_in_the_pod_templates(folder, tmp_path):
+    """checkov (`make test-slow` installs it) on every pod template, each wrapped as the Job that
+    checkov knows (render.py --as-jobs, as `make k8s-checkov` runs it), with the job's waivers:
+    every check passes or is waived in the manifest with its reason."""
+    built = subprocess.run(["kubectl", "kustomize", f"k8s/{folder}"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    wrapped = subprocess.run([sys.executable, "k8s/render.py", "--as-jobs"], cwd=ROOT, input=built, capture_output=True, text=True, check=True).stdout
+    jobs = [d for d in yaml.safe_load_all(wrapped) if d]
+    assert len(jobs) == sum(len(pod_templates(d)) for d in manifests(folder)) >= 1
+    waivers = {v.split("=", 1)[0]: v.split("=", 1)[1] for k, v in jobs[0]["metadata"]["annotations"].items() if k.startswith("checkov.io/skip")}
+    assert all(len(reason) > 20 for reason in waivers.values()), waivers  # each with its reason
+    (tmp_path / "jobs.yaml").write_text(wrapped)
+    results = checkov(tmp_path / "jobs.yaml", "kubernetes")
     failed = [(c["check_id"], c["resource"]) for c in results["failed_checks"]]
     skipped = {c["check_id"] for c in results["skipped_checks"]}
     assert not failed, failed
@@ -213,8 +273,15 @@ def test_checkov_finds_nothing_unwaived_in_the_pod_templates(folder, tmp_path):
     assert len(results["passed_checks"]) >= 40 * len(jobs)  # it did look (about 84 checks a template)
 
 
+@pytest.mark.slow
+def test_checkov_finds_nothing_unwaived_in_the_dockerfile():
+    results = checkov(ROOT / "Dockerfile", "dockerfile")
+    assert not results["failed_checks"], [c["check_id"] for c in results["failed_checks"]]
+    assert {c["check_id"] for c in results["skipped_checks"]} == {"CKV_DOCKER_2"}  # HEALTHCHECK, waived in the file with its reason
+    assert len(results["passed_checks"]) >= 10
+
+
 def test_render_sets_the_storage_class_of_every_pvc():
-    sys.path.insert(0, str(ROOT / "k8s"))
     from render import render
 
     docs = render(manifests("storage"), None, None, None, storage_class="efs-sc")
@@ -227,7 +294,8 @@ def test_pytorchjob_has_what_a_cluster_needs():
     specs = job["spec"]["pytorchReplicaSpecs"]
     assert set(specs) == {"Master", "Worker"} and specs["Master"]["replicas"] == 1
     for replica in specs.values():
-        assert replica["restartPolicy"] == "OnFailure"
+        assert replica["restartPolicy"] == "ExitCode"  # 2 fails the job; 75 and crashes, moved to 128+, are retried
+        assert {"name": "TRAINER_EXIT_POLICY", "value": "exitcode"} in next(c for c in replica["template"]["spec"]["containers"])["env"]
         pod = replica["template"]["spec"]
         c = next(c for c in pod["containers"] if c["name"] == "pytorch")
         assert c["resources"]["limits"]["nvidia.com/gpu"] == int(job["spec"]["nprocPerNode"])
@@ -259,7 +327,6 @@ def test_the_elastic_job_takes_its_range_from_the_operator_and_refuses_a_batch_i
     from trainer.config import check_world_range, load_config
 
     check_world_range(load_config(ROOT / "configs" / "default.yaml", ["train.batch_size=480"]), variables["PET_NNODES"], 8)
-    sys.path.insert(0, str(ROOT / "k8s"))
     from render import render
 
     spec = render([job], "reg/img:2", nodes=6, gpus=4)[0]["spec"]  # NODES is the most pods; the least stays
@@ -268,7 +335,6 @@ def test_the_elastic_job_takes_its_range_from_the_operator_and_refuses_a_batch_i
 
 
 def test_render_sets_image_nodes_and_gpus():
-    sys.path.insert(0, str(ROOT / "k8s"))
     from render import render
 
     docs = render(manifests("multi-node"), "reg/img:2", nodes=4, gpus=2)
@@ -335,40 +401,252 @@ def local_command(c: dict, variables: dict[str, str], paths: dict[str, Path], ex
     return [*exe, *out[1:], *extra]
 
 
-@pytest.mark.slow
-def test_operator_simulation_runs_the_pytorchjob_and_resumes(tmp_path):
-    job = next(d for d in manifests("multi-node") if d["kind"] == "PyTorchJob")
-    admit(job)
-    job["spec"]["nprocPerNode"] = "1"  # one CPU process per pod on this 2-core machine
-    port = free_port()
-    job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"] = port
-    paths = {"/checkpoints": tmp_path / "checkpoints", "/data": tmp_path / "data"}
-    for p in paths.values():
-        p.mkdir()
-    replicas = [(role, i) for role, spec in job["spec"]["pytorchReplicaSpecs"].items() for i in range(spec.get("replicas", 1))]
+class Pods:
+    """A job's pods as local processes (one per pod, its main container after its init containers),
+    started again as a controller replaces them. ``decide(pod, code, disrupted)`` is the
+    controller's rule for a pod that ended: 'done', 'replace' or 'fail' (the job)."""
 
-    def run_pods(epochs: int) -> list[str]:
-        procs = []
-        for role, i in replicas:
+    def __init__(self, tmp_path: Path, specs: dict[str, Callable[[int], tuple[list[list[str]], list[str], dict]]]):
+        self.tmp, self.specs = tmp_path, specs
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.logs: dict[str, list[Path]] = {name: [] for name in specs}
+        self.codes: dict[str, list[int]] = {name: [] for name in specs}
+        self.disrupted: set[str] = set()
+
+    def start(self, name: str) -> None:
+        inits, cmd, pod_env = self.specs[name](len(self.logs[name]))
+        for init in inits:
+            run(init, env=pod_env)
+        log = self.tmp / f"{name}-{len(self.logs[name])}.log"
+        self.logs[name].append(log)
+        self.procs[name] = subprocess.Popen(cmd, cwd=ROOT, env=pod_env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+    def out(self, name: str, attempt: int = -1) -> str:
+        return self.logs[name][attempt].read_text()
+
+    def evict(self, name: str) -> None:
+        """The kubelet's part in an eviction or preemption: SIGTERM to the container; the pod gets DisruptionTarget."""
+        self.disrupted.add(name)
+        self.procs[name].send_signal(signal.SIGTERM)
+
+    def kill(self, name: str) -> None:
+        """The container killed outright (an OOM kill): exit 137."""
+        self.procs[name].kill()
+
+    def run(self, decide: Callable[[str, int, bool], str], faults: list[tuple[str, str, str]] = (), timeout: float = 300) -> str:
+        """Start every pod, act on each end by ``decide``, do each fault (pod whose log to watch,
+        pattern, action on the other pod: 'evict:NAME' or 'kill:NAME') once; 'Succeeded' or 'Failed'."""
+        for name in self.specs:
+            self.start(name)
+        pending, deadline, done = list(faults), time.time() + timeout, set()
+        while time.time() < deadline:
+            for watch, pattern, action in list(pending):
+                if re.search(pattern, self.out(watch)):
+                    pending.remove((watch, pattern, action))
+                    verb, target = action.split(":")
+                    getattr(self, verb)(target)
+            for name, proc in list(self.procs.items()):
+                if proc.poll() is None:
+                    continue
+                code = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode  # as the kubelet reports a signal
+                self.codes[name].append(code)
+                del self.procs[name]
+                verdict = decide(name, code, name in self.disrupted)
+                self.disrupted.discard(name)
+                if verdict == "fail":
+                    self.stop()
+                    return "Failed"
+                if verdict == "replace":
+                    self.start(name)
+                else:
+                    done.add(name)
+            if done == set(self.specs):
+                return "Succeeded"
+            time.sleep(0.2)
+        self.stop()
+        raise AssertionError(f"the job did not end within {timeout} s: {self.codes}\n" + "\n".join(self.out(n)[-2000:] for n in self.specs))
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        self.procs.clear()
+
+
+SLOW_STEPS = {"TRAINER_FAULT": "batch:slow=0.1", "TRAINER_FAULT_RANK": "0"}
+"""Tenth-of-a-second steps on rank 0 (the others wait for it): a tiny job that lasts long enough to be disturbed."""
+
+
+def pytorchjob_pods(job: dict, paths: dict[str, Path], extra: list[str], environ: dict[str, str] | None = None) -> dict:
+    """The operator's pods of a PyTorchJob: its PET_* and MASTER_* variables, the kubelet's
+    HOSTNAME and $(VAR) expansion, the volumes mapped to folders here."""
+    def spec(role: str, i: int):
+        def make(attempt: int):
             pod = job["spec"]["pytorchReplicaSpecs"][role]["template"]["spec"]
             variables = operator_env(job, role, i)
             variables["MASTER_ADDR"] = variables["PET_MASTER_ADDR"] = "127.0.0.1"  # the master's service name
-            pod_env = env(**variables)
-            for init in pod.get("initContainers", []):
-                run(local_command(init, variables, paths, TINY_JOB), env=pod_env)
+            pod_env = env(**variables, HOSTNAME=f"{job['metadata']['name']}-{role.lower()}-{i}", **(environ or {}))
             c = next(c for c in pod["containers"] if c["name"] == "pytorch")
             pod_env.update({e["name"]: e["value"] for e in c.get("env", [])})
-            cmd = local_command(c, variables, paths, [*TINY_JOB, f"train.epochs={epochs}"])
-            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=pod_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        outs = [p.communicate(timeout=300)[0] for p in procs]
-        assert [p.returncode for p in procs] == [0] * len(procs), outs[0][-3000:]
-        return outs
+            inits = [local_command(init, variables, paths, TINY_JOB) for init in pod.get("initContainers", [])]
+            return inits, local_command(c, variables, paths, [*TINY_JOB, *extra]), pod_env
+        return make
+    return {f"{role.lower()}-{i}": spec(role, i) for role, r in job["spec"]["pytorchReplicaSpecs"].items() for i in range(r.get("replicas", 1))}
 
-    outs = run_pods(1)
-    ckpt = paths["/checkpoints"] / job["metadata"]["name"]
-    assert "strategy ddp x2" in outs[0] and (ckpt / "step-16" / "state.pt").is_file()
-    outs = run_pods(2)  # a restarted job: same volumes, more epochs
-    assert "resuming from" in outs[0] and (ckpt / "step-32" / "state.pt").is_file()
+
+def exitcode_policy(pod: str, code: int, disrupted: bool) -> str:
+    """The training operator's ExitCode policy: 0 done, 128-255 retried (the pod deleted and made
+    again), 1-127 fail the job."""
+    return "done" if code == 0 else "replace" if code >= 128 else "fail"
+
+
+@pytest.mark.slow
+def test_operator_simulation_keeps_the_exit_contract_under_the_exitcode_policy(tmp_path):
+    """The PyTorchJob's own commands, run as the operator would (1 process a pod). An evicted pod
+    saves and exits 203 (75 + 128): the operator replaces it, the job resumes and succeeds. Bad
+    input exits 2: the job fails at once, nothing retried. A crash that repeats with no newer
+    checkpoint is retried (129) until the node's third, which exits 1 and fails the job."""
+    job = next(d for d in manifests("multi-node") if d["kind"] == "PyTorchJob")
+    admit(job)
+    job["spec"]["nprocPerNode"] = "1"  # one CPU process per pod on this 2-core machine
+    master = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
+    master["ports"][0]["containerPort"] = free_port()
+
+    def volumes(case: str) -> dict[str, Path]:
+        paths = {"/checkpoints": tmp_path / case / "checkpoints", "/data": tmp_path / case / "data"}
+        for p in paths.values():
+            p.mkdir(parents=True)
+        return paths
+
+    paths = volumes("evicted")
+    pods = Pods(tmp_path / "evicted", pytorchjob_pods(job, paths, ["train.epochs=4"], SLOW_STEPS))
+    assert pods.run(exitcode_policy, [("master-0", r"epoch 2/4 step", "evict:worker-0")]) == "Succeeded"
+    assert pods.codes["worker-0"] == [203, 0] and "exit 203 (run the same command to resume)" in pods.out("worker-0", 0)
+    assert "resuming from" in pods.out("master-0") and (paths["/checkpoints"] / "cifar-ddp" / "step-64" / "state.pt").is_file()
+
+    pods = Pods(tmp_path / "bad", pytorchjob_pods(job, volumes("bad"), ["train.epochs=4", "train.epoch=3"]))
+    assert pods.run(exitcode_policy) == "Failed"
+    assert 2 in pods.codes["master-0"] + pods.codes["worker-0"] and all(len(c) <= 1 for c in pods.codes.values())
+
+    single = next(d for d in manifests("single-gpu") if d["kind"] == "PyTorchJob")
+    admit(single)
+    c = single["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
+    c["ports"][0]["containerPort"] = free_port()
+    c["args"] = [a if not a.startswith("--max-restarts") else "--max-restarts=0" for a in c["args"]]  # each crash reaches the operator
+    pods = Pods(tmp_path / "crash", pytorchjob_pods(single, volumes("crash"), ["train.epochs=4"],
+                                                    {"TRAINER_FAULT": "batch@5:kill", "TRAINER_FAULT_RANK": "0"}))
+    assert pods.run(exitcode_policy) == "Failed"
+    assert pods.codes["master-0"] == [129, 129, 1], pods.codes
+    assert "cifar-single-master-0: 3 crashes in a row before any checkpoint, no progress: exit 1" in pods.out("master-0")
+
+
+# ------------------------------------------------------------------------------------------------
+# Kubeflow Trainer v2 and the Job controller, played here (facts in tests/schemas/SOURCES.md)
+
+
+def trainjob_pods(runtime: dict, trainjob: dict, paths: dict[str, Path], extra: list[str], port: int,
+                  environ: dict[str, str] | None = None) -> dict:
+    """The pods of the TrainJob's JobSet: one per node of the indexed Job, with what the torch
+    plugin injects into the container named node (PET_*), the pod's labels for the downward API,
+    the kubelet's HOSTNAME and $(VAR) expansion."""
+    name, trainer = trainjob["metadata"]["name"], trainjob["spec"]["trainer"]
+    replicated = runtime["spec"]["template"]["spec"]["replicatedJobs"][0]
+    pod = replicated["template"]["spec"]["template"]["spec"]
+
+    def make(index: int):
+        def start(attempt: int):
+            labels = {"jobset.sigs.k8s.io/jobset-name": name, "jobset.sigs.k8s.io/replicatedjob-name": replicated["name"],
+                      "batch.kubernetes.io/job-completion-index": str(index)}
+            variables = {"PET_NNODES": str(trainer["numNodes"]), "PET_NPROC_PER_NODE": str(trainer["numProcPerNode"]),
+                         "PET_NODE_RANK": str(index), "PET_MASTER_ADDR": f"{name}-node-0-0.{name}", "PET_MASTER_PORT": "29500"}
+            variables.update(PET_MASTER_ADDR="127.0.0.1", PET_MASTER_PORT=str(port))  # the headless service's name and port, here
+            c = next(c for c in pod["containers"] if c["name"] == "node")
+            for e in c.get("env", []):
+                if "value" in e:
+                    variables[e["name"]] = e["value"]
+                else:
+                    label = re.fullmatch(r"metadata\.labels\['(.+)'\]", e["valueFrom"]["fieldRef"]["fieldPath"]).group(1)
+                    variables[e["name"]] = labels[label]
+            pod_env = env(**variables, HOSTNAME=f"{name}-node-0-{index}", **(environ or {}))
+            inits = [local_command(init, variables, paths, TINY_JOB) for init in pod.get("initContainers", [])]
+            return inits, local_command(c, variables, paths, [*TINY_JOB, *extra]), pod_env
+        return start
+    return {f"node-{i}": make(i) for i in range(trainer["numNodes"])}
+
+
+class JobController:
+    """batch/v1 Job: a failed pod goes through ``podFailurePolicy``'s rules in order (FailJob,
+    Ignore: replaced, not counted; Count, and no match: counted against ``backoffLimit``)."""
+
+    def __init__(self, job_spec: dict):
+        self.rules, self.backoff, self.failures = job_spec["podFailurePolicy"]["rules"], job_spec["backoffLimit"], 0
+        self.log: list[tuple[str, int, str]] = []
+
+    def __call__(self, pod: str, code: int, disrupted: bool) -> str:
+        if code == 0:
+            return "done"
+        action = next((r["action"] for r in self.rules if self.matches(r, code, disrupted)), "Count")
+        self.log.append((pod, code, action))
+        if action == "FailJob":
+            return "fail"
+        if action == "Count":
+            self.failures += 1
+            if self.failures > self.backoff:
+                return "fail"
+        return "replace"
+
+    @staticmethod
+    def matches(rule: dict, code: int, disrupted: bool) -> bool:
+        if "onExitCodes" in rule:
+            values = set(rule["onExitCodes"]["values"])
+            return (code in values) == (rule["onExitCodes"]["operator"] == "In")
+        return any(c["type"] == "DisruptionTarget" and disrupted for c in rule.get("onPodConditions", []))
+
+
+def test_the_runtime_keeps_the_exit_contract_in_its_pod_failure_policy():
+    runtime, trainjob = manifests("trainjob")
+    job = runtime["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]
+    assert job["template"]["spec"]["restartPolicy"] == "Never"  # what a podFailurePolicy needs
+    assert runtime["spec"]["template"]["spec"]["failurePolicy"]["maxRestarts"] == 0
+    assert trainjob["spec"]["runtimeRef"] == {"apiGroup": "trainer.kubeflow.org", "kind": "TrainingRuntime", "name": runtime["metadata"]["name"]}
+    assert {r["action"] for r in job["podFailurePolicy"]["rules"]} <= {"FailJob", "Ignore", "Count", "FailIndex"}
+    controller = JobController(job)
+    assert [controller("p", c, d) for c, d in ((2, False), (75, False), (137, True), (1, False), (124, False))] == \
+        ["fail", "replace", "replace", "replace", "replace"]
+    assert controller.failures == 2  # the crashes only
+    assert [controller("p", 1, False) for _ in range(3)] == ["replace", "replace", "fail"]  # the 5th crash fails the job
+
+
+@pytest.mark.slow
+def test_trainer_v2_simulation_runs_the_trainjob_keeps_the_contract_and_resumes(tmp_path):
+    """The TrainJob's runtime commands, run as the Trainer and the Job controller would (2 nodes, 1
+    process each). An evicted pod (SIGTERM, DisruptionTarget) saves; 75 is ignored, the pods are
+    replaced and resume. A pod killed outright (137) counts once and is replaced; the job finishes.
+    Bad input fails the job at once, no pod replaced."""
+    runtime, trainjob = manifests("trainjob")
+    trainjob["spec"]["trainer"]["numProcPerNode"] = 1
+    job_spec = runtime["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]
+
+    def case(name: str, extra: list[str], environ: dict | None = None) -> tuple[Pods, JobController, Path]:
+        paths = {"/checkpoints": tmp_path / name / "checkpoints", "/data": tmp_path / name / "data"}
+        for p in paths.values():
+            p.mkdir(parents=True)
+        pods = Pods(tmp_path / name, trainjob_pods(runtime, trainjob, paths, extra, free_port(), environ))
+        return pods, JobController(job_spec), paths["/checkpoints"] / trainjob["metadata"]["name"]
+
+    pods, controller, ckpt = case("evicted", ["train.epochs=4"], SLOW_STEPS)
+    assert pods.run(controller, [("node-0", r"epoch 2/4 step", "evict:node-1")]) == "Succeeded"
+    assert ("node-1", 75, "Ignore") in controller.log and controller.failures == 0, controller.log
+    assert "strategy ddp x2" in pods.out("node-0") and "resuming from" in pods.out("node-0") and (ckpt / "step-64" / "state.pt").is_file()
+
+    pods, controller, ckpt = case("killed", ["train.epochs=4"], SLOW_STEPS)
+    assert pods.run(controller, [("node-0", r"epoch 2/4 step", "kill:node-1")]) == "Succeeded"
+    assert ("node-1", 137, "Count") in controller.log and controller.failures == 1, controller.log
+    assert (ckpt / "step-64" / "state.pt").is_file()
+
+    pods, controller, _ = case("bad", ["train.epochs=4", "train.epoch=3"])
+    assert pods.run(controller) == "Failed"
+    assert controller.log[0][1:] == (2, "FailJob") and all(len(c) <= 1 for c in pods.codes.values()), (controller.log, pods.codes)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -482,6 +760,14 @@ def test_torchx_slurm_dryrun_asks_for_the_right_resources():
     ("multi-node", ["--image", "registry.example.com:5000/team/ct"], "has neither tag nor digest"),
     ("storage", [], "the PVCs need a storage class: pass STORAGE_CLASS="),
     ("storage", ["--storage-class", "Not A Name"], "is not a storage class name"),
+    ("multi-node", ["--image", "ghcr.io/team/ct@sha256:0123abcd"], "the digest must be sha256: and 64 lower-case hex digits"),
+    ("multi-node", ["--image", "ghcr.io/team/ct@sha256:" + "ABCDEF0123456789" * 4], "the digest must be sha256: and 64"),
+    ("multi-node", ["--image", "ghcr.io/team/ct@md5:" + "0" * 32], "the digest must be sha256: and 64"),
+    ("multi-node", ["--config", "configs/mine.yaml"], "CONFIG=configs/mine.yaml is not in the image"),
+    ("multi-node", ["--config", "/etc/passwd"], "is not in the image"),
+    ("multi-node", ["--args", "train.epoch=5"], "train.epoch"),
+    ("multi-node", ["--args", "train.epochs=-1"], "(CONFIG / ARGS)"),
+    ("trainjob-single", ["--gpus", "8"], "use K8S=trainjob for more"),
 ])
 def test_render_refuses_what_no_cluster_can_run_in_one_line(folder, args, words):
     stdin = yaml.safe_dump_all(manifests(folder))
@@ -498,6 +784,56 @@ def test_render_takes_registries_with_a_port_and_digests(image):
     pods = [r["template"]["spec"] for d in docs if d["kind"] == "PyTorchJob" for r in d["spec"]["pytorchReplicaSpecs"].values()]
     assert pods and all(c["image"] == image for pod in pods for c in pod["containers"] + pod["initContainers"])
     assert all(d["metadata"]["namespace"] == "team-a" for d in docs)
+
+
+def test_render_honours_config_and_args_in_every_job_kind():
+    from render import render
+
+    for folder in ("multi-node", "trainjob"):
+        docs = render(manifests(folder), None, None, None, config="configs/fast.yaml", args=["train.epochs=5"])
+        pods = [t["spec"] for d in docs for t in pod_templates(d).values()]
+        trainer = [c for pod in pods for c in pod["containers"]]
+        data = [c for pod in pods for c in pod["initContainers"]]
+        assert trainer and all(c["args"][c["args"].index("--config") + 1] == "configs/fast.yaml" and c["args"][-1] == "train.epochs=5" for c in trainer)
+        assert data and all(c["command"][c["command"].index("--config") + 1] == "configs/fast.yaml" for c in data)
+
+
+def test_render_sizes_a_trainjob_and_the_gangs():
+    from render import render
+
+    runtime, job = render(manifests("trainjob"), "reg/img:2", nodes=4, gpus=2)
+    assert job["spec"]["trainer"]["numNodes"] == 4 and job["spec"]["trainer"]["numProcPerNode"] == 2
+    assert job["spec"]["trainer"]["resourcesPerNode"]["limits"] == {"nvidia.com/gpu": 2, "cpu": "4", "memory": "16Gi"}
+    pod = pod_templates(runtime)["node"]["spec"]
+    assert all(c["image"] == "reg/img:2" for c in pod["containers"] + pod["initContainers"])
+    assert next(v for v in pod["volumes"] if v["name"] == "dshm")["emptyDir"]["sizeLimit"] == "4Gi"
+    pytorchjob = render(manifests("multi-node"), None, nodes=4, gpus=None)[0]
+    assert pytorchjob["spec"]["runPolicy"]["schedulingPolicy"] == {"minAvailable": 4}  # all four pods or none
+    elastic = render(manifests("elastic"), None, nodes=6, gpus=None)[0]
+    assert elastic["spec"]["runPolicy"]["schedulingPolicy"] == {"minAvailable": 3}  # the least it runs with
+
+
+def gib(quantity: str) -> float:
+    return float(quantity[:-2]) * {"Gi": 1, "Mi": 1 / 1024}[quantity[-2:]]
+
+
+@pytest.mark.parametrize("folder", JOB_DIRS)
+def test_shared_memory_fits_in_the_pods_memory_limit(folder):
+    """A memory-backed /dev/shm counts against the pod's memory limit: it is a quarter of it, as
+    shipped and as make k8s-apply sizes it."""
+    from render import render
+
+    for gpus in (None, 1, 8):
+        if gpus == 8 and folder in ("single-gpu", "trainjob-single"):
+            continue
+        docs = render(manifests(folder), None, None, gpus)
+        job = next(d for d in docs if d["kind"] in ("PyTorchJob", "TrainJob"))
+        for template in [t for d in docs for t in pod_templates(d).values()]:
+            pod = template["spec"]
+            main = next(c for c in pod["containers"] if c["name"] in ("pytorch", "node"))
+            limits = job["spec"]["trainer"]["resourcesPerNode"]["limits"] if job["kind"] == "TrainJob" else main["resources"]["limits"]
+            shm = next(v for v in pod["volumes"] if v["name"] == "dshm")["emptyDir"]["sizeLimit"]
+            assert gib(shm) <= gib(limits["memory"]) / 4, (folder, gpus, shm, limits)
 
 
 @pytest.fixture(scope="module")
@@ -524,6 +860,10 @@ def test_the_cluster_targets_need_only_a_small_venv_without_torch(tools_venv):
     (["K8S=single-gpu", "NODES=2"], "is one pod with one GPU"),
     (["GPUS="], "GPUS='' is not a whole number"),
     (["NODES=two"], "NODES='two' is not a whole number"),
+    (["K8S=multinode"], "K8S=multinode is not a job folder of k8s/; use one of: "),
+    (["K8S=storage"], "K8S=storage is not a job folder"),
+    (["CONFIG=configs/mine.yaml"], "CONFIG=configs/mine.yaml is not in the image"),
+    (["ARGS=train.epoch=3"], "train.epoch"),
 ])
 def test_make_k8s_apply_refuses_a_bad_size_in_one_line(tools_venv, args, words):
     p = subprocess.run(["make", "-s", "k8s-apply", f"TOOLS_VENV={tools_venv}", "IMAGE=registry.example.com:5000/team/ct:0.1.0", *args],
@@ -546,6 +886,51 @@ def test_make_k8s_apply_takes_single_gpu_without_a_size(tools_venv, tmp_path):
                            cwd=ROOT, capture_output=True, text=True, env={**env(), "PATH": f"{fake}:{os.environ['PATH']}"})
         assert p.returncode == 0, p.stderr
         assert "localhost:5000/ct:0.1.0" in (tmp_path / "applied.yaml").read_text()
+
+
+@pytest.mark.slow
+def test_make_k8s_apply_honours_config_and_args(tools_venv, tmp_path):
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "kubectl").write_text(f"#!/bin/sh\nif [ \"$1\" = kustomize ]; then exec {shutil.which('kubectl') or 'false'} \"$@\"; fi\ncat > {tmp_path}/applied.yaml\n")
+    (fake / "kubectl").chmod(0o755)
+    p = subprocess.run(["make", "-s", "k8s-apply", f"TOOLS_VENV={tools_venv}", "K8S=trainjob", "IMAGE=localhost:5000/ct:0.1.0",
+                        "CONFIG=configs/fast.yaml", "ARGS=train.epochs=5 optim.lr=0.2"],
+                       cwd=ROOT, capture_output=True, text=True, env={**env(), "PATH": f"{fake}:{os.environ['PATH']}"})
+    assert p.returncode == 0, p.stderr
+    runtime = next(d for d in yaml.safe_load_all((tmp_path / "applied.yaml").read_text()) if d["kind"] == "TrainingRuntime")
+    args = pod_templates(runtime)["node"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--config") + 1] == "configs/fast.yaml" and args[-2:] == ["train.epochs=5", "optim.lr=0.2"]
+
+
+@pytest.mark.parametrize("args, words", [
+    (["NODES=abc"], "NODES='abc' is not a whole number of at least 1"),
+    (["GPUS=-1"], "GPUS='-1' is not a whole number"),
+    (["NODES=0"], "NODES='0' is not a whole number"),
+    (["CONFIG=configs/nope.yaml"], "CONFIG=configs/nope.yaml does not exist"),
+])
+def test_make_slurm_submit_refuses_bad_input_before_sbatch(tmp_path, args, words):
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "sbatch").write_text(f"#!/bin/sh\ntouch {tmp_path}/submitted\n")
+    (fake / "sbatch").chmod(0o755)
+    p = subprocess.run(["make", "-s", "slurm-submit", *args], cwd=ROOT, capture_output=True, text=True,
+                       env={**env(), "PATH": f"{fake}:{os.environ['PATH']}"})
+    lines = [x for x in p.stderr.splitlines() if x.strip() and not x.startswith("make")]
+    assert p.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], p.stderr
+    assert not (tmp_path / "submitted").exists()
+
+
+@pytest.mark.slow
+def test_make_torchx_k8s_refuses_a_local_image_and_a_missing_cluster_in_one_line(tools_venv, tmp_path):
+    bare = {**env(), "HOME": str(tmp_path)}
+    bare.pop("KUBECONFIG", None)
+    for args, words in (([], "error: --image=cluster-trainer:0.1.0 is a local name"),
+                        (["IMAGE=ghcr.io/team/ct:0.1.0"], "error: no Kubernetes cluster configured")):
+        p = subprocess.run(["make", "-s", "torchx-k8s", f"TOOLS_VENV={tools_venv}", *args], cwd=ROOT, capture_output=True, text=True, env=bare)
+        lines = [x for x in p.stderr.splitlines() if x.strip() and not x.startswith("make")]
+        assert p.returncode != 0 and len(lines) == 1 and words in lines[0], p.stderr
+        assert "Traceback" not in p.stderr
 
 
 @pytest.mark.slow

@@ -39,6 +39,31 @@ def test_verdict(torchrun_code, workers, expected):
     assert verdict(torchrun_code, workers) == expected
 
 
+def test_the_exitcode_policy_moves_75_and_crashes_into_the_retried_range_until_a_node_makes_no_progress(tmp_path, monkeypatch):
+    """TRAINER_EXIT_POLICY=exitcode, for a launcher that retries only 128-255 (Kubeflow's ExitCode):
+    0 and 2 stay, 75 and crashes move up by 128, a signal's code stays; the third crash in a row
+    of one node with no newer checkpoint is final (1). A newer checkpoint starts the count again."""
+    ckpt = tmp_path / "ckpt"
+    args = ["--nproc-per-node=1", "-m", "trainer", "train", "--config", str(ROOT / "configs" / "smoke.yaml"), f"checkpoint.dir={ckpt}"]
+    monkeypatch.setenv("HOSTNAME", "job-worker-0")
+    assert [supervisor.for_launcher(c, args, "") for c in (0, 2, 75, 1, 137)] == [0, 2, 75, 1, 137]  # no policy: the contract's own
+    assert [supervisor.for_launcher(c, args, "exitcode") for c in (0, 2, 75, 137)] == [0, 2, 203, 137]
+    assert [supervisor.for_launcher(c, args, "exitcode") for c in (124, 1)] == [252, 129]  # two crashes, no checkpoint yet
+    (ckpt / "step-16").mkdir(parents=True)
+    (ckpt / "step-16" / checkpoint.META).write_text("{}")  # a newer checkpoint: progress
+    assert [supervisor.for_launcher(1, args, "exitcode") for _ in range(3)] == [129, 129, 1]
+    assert json.loads((ckpt / ".crashes" / "job-worker-0.json").read_text())["step"] == "step-16"
+    monkeypatch.setenv("HOSTNAME", "job-worker-1")  # every node counts its own
+    assert supervisor.for_launcher(1, args, "exitcode") == 129
+
+
+def test_an_unknown_exit_policy_is_bad_input_in_one_line(tmp_path):
+    p = run(trainer_cmd("torchrun", "--nproc-per-node=1", "-m", "trainer", "train", *TINY, f"checkpoint.dir={tmp_path}"),
+            env=env(TRAINER_EXIT_POLICY="kubeflow"), check=False, timeout=60)
+    lines = [x for x in p.stderr.splitlines() if x.strip()]
+    assert p.returncode == 2 and lines == ["TRAINER_EXIT_POLICY='kubeflow' is not a policy; set it to exitcode (Kubeflow's restartPolicy: ExitCode) or leave it unset"], p.stderr
+
+
 def launch(ckpt: Path, *overrides: str, nproc: int = 2, extra_env: dict | None = None) -> subprocess.Popen:
     """`trainer launch` in its own session (as a terminal job), output in a pipe."""
     cmd = trainer_cmd("launch", "--nproc-per-node", str(nproc), *LONG, f"checkpoint.dir={ckpt}", *overrides)

@@ -21,6 +21,13 @@ under :func:`supervise` (``trainer torchrun ...``, which ``trainer launch`` uses
 In a Slurm job whose batch script does not look after it (TorchX's), trainer/slurm.py stops the
 workers before the time limit and requeues the job after their save, never after bad input.
 
+Where the launcher retries only codes 128-255 (Kubeflow's ``restartPolicy: ExitCode``: 1-127 fail
+the job, 128-255 replace the pod), ``TRAINER_EXIT_POLICY=exitcode`` keeps the contract there
+(:func:`for_launcher`): 0 and 2 stay, 75 and crashes move up by 128 (75 -> 203, 1 -> 129, 124 ->
+252; a signal's 128+N stays). The operator counts none of these retries against ``backoffLimit``,
+so the policy brings its own bound: a node whose run crashes CRASHES_WITHOUT_PROGRESS times in a
+row with no newer checkpoint exits 1, which fails the job, instead of holding its GPUs for ever.
+
 A worker that makes no progress and cannot act on it itself (stopped, frozen) is killed here, so
 torchrun restarts the group (see trainer/watchdog.py: its heartbeat files in ``$TRAINER_EXIT_DIR``).
 An agent left without workers longer than its rendezvous can take (it waits on a first node it
@@ -40,6 +47,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -59,6 +67,16 @@ EXIT_CRASH = 1
 EXIT_HUNG = 124
 """A worker's hang watchdog gave up on it (no progress within dist.hang_timeout_s; trainer/watchdog.py):
 a crash, restarted like one; 124 as timeout(1) exits."""
+
+EXIT_POLICY_ENV = "TRAINER_EXIT_POLICY"
+"""``exitcode``: the codes for a launcher that retries 128-255 only (see the module docstring)."""
+RETRYABLE = 128
+CRASHES_WITHOUT_PROGRESS = 3
+"""Under the exitcode policy: crashes in a row on one node, with no newer checkpoint between them,
+after which a crash is final (exit 1). TRAINER_CRASHES_WITHOUT_PROGRESS sets another number."""
+CRASHES_FOLDER = ".crashes"
+"""In checkpoint.dir: one small record per node (its host name) of its crashes since the newest
+checkpoint."""
 
 EXIT_DIR_ENV = "TRAINER_EXIT_DIR"
 SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
@@ -328,6 +346,54 @@ def verdict(torchrun_code: int, codes: list[int]) -> int:
     return torchrun_code if torchrun_code not in (EXIT_OK, EXIT_USAGE, EXIT_PREEMPTED) else EXIT_CRASH
 
 
+def exit_policy() -> str:
+    """TRAINER_EXIT_POLICY: '' (the contract's own codes) or 'exitcode'; another value is bad input."""
+    policy = os.environ.get(EXIT_POLICY_ENV, "").strip().lower()
+    if policy not in ("", "exitcode"):
+        raise ValueError(f"{EXIT_POLICY_ENV}={policy!r} is not a policy; set it to exitcode (Kubeflow's restartPolicy: ExitCode) or leave it unset")
+    return policy
+
+
+def crash_budget(root: Path, host: str, limit: int) -> tuple[int, str | None]:
+    """Note one more crash of ``host``; (crashes in a row without a newer checkpoint, the newest
+    checkpoint's name). A newer checkpoint than at the last crash starts the count again."""
+    from trainer.checkpoint import newest_complete  # a crash is ending: the import's second is no cost
+
+    newest = newest_complete(root) if root.is_dir() else None
+    step = newest.name if newest else None
+    record = root / CRASHES_FOLDER / f"{host}.json"
+    try:
+        last = json.loads(record.read_text())
+    except (OSError, ValueError):
+        last = {}
+    crashes = last.get("crashes", 0) + 1 if last.get("step") == step else 1
+    try:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        record.write_text(json.dumps({"step": step, "crashes": crashes, "limit": limit, "time": time.time()}))
+    except OSError:  # a read-only or full volume: the crash is retried, uncounted
+        pass
+    return crashes, step
+
+
+def for_launcher(code: int, torchrun_args: list[str], policy: str) -> int:
+    """The contract's code as the launcher's policy needs it (see the module docstring)."""
+    if policy != "exitcode" or code in (EXIT_OK, EXIT_USAGE) or code >= RETRYABLE:
+        return code
+    if code != EXIT_PREEMPTED:
+        cfg = _training_config(torchrun_args)
+        limit = int(os.environ.get("TRAINER_CRASHES_WITHOUT_PROGRESS", CRASHES_WITHOUT_PROGRESS))
+        host = os.environ.get("HOSTNAME") or socket.gethostname()  # a pod's name (the kubelet sets HOSTNAME)
+        if cfg is not None:
+            crashes, step = crash_budget(Path(cfg.checkpoint.dir), host, limit)
+            if crashes >= limit:
+                since = f"since {step} was saved" if step else "before any checkpoint"
+                print(f"{host}: {crashes} crashes in a row {since}, no progress: exit {EXIT_CRASH}, a final failure of the job; "
+                      "the tracebacks are in the run folder (error-rank*.txt): fix the cause and submit again (the job resumes from its newest "
+                      "checkpoint)", file=sys.stderr, flush=True)
+                return EXIT_CRASH
+    return RETRYABLE + code
+
+
 BYTECODE = "compile-cache/python-bytecode"
 CUDA_JIT = "compile-cache/cuda-jit"
 
@@ -464,6 +530,11 @@ def supervise(torchrun_args: list[str], poll_s: float = 0.5) -> int:
     """Run ``torchrun ARGS`` and return the contract's exit code (see the module docstring)."""
     if warning := slurm.cpu_shortfall():
         print(warning, file=sys.stderr, flush=True)
+    try:
+        policy = exit_policy()
+    except ValueError as e:
+        print(e, file=sys.stderr, flush=True)
+        return EXIT_USAGE
     if (error := missing_mount() or slurm.margin_problem() or world_range_problem(torchrun_args)) is not None:
         print(error, file=sys.stderr, flush=True)
         _error_file(error)
@@ -504,12 +575,13 @@ def supervise(torchrun_args: list[str], poll_s: float = 0.5) -> int:
             _say_usage_error(exit_dir)
         if final == EXIT_USAGE:
             _error_file(_usage_message(exit_dir) or "bad input (exit 2)")
-        if got and final == EXIT_PREEMPTED:
-            print(f"stopped by {signal.Signals(got[0]).name}; the workers saved a checkpoint: exit {EXIT_PREEMPTED} (run the same command to resume)",
-                  file=sys.stderr, flush=True)
         if slurm.supervising():
             slurm.after(final, limit)
-        return final
+        code = for_launcher(final, torchrun_args, policy)
+        if got and final == EXIT_PREEMPTED:
+            print(f"stopped by {signal.Signals(got[0]).name}; the workers saved a checkpoint: exit {code} (run the same command to resume)",
+                  file=sys.stderr, flush=True)
+        return code
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
