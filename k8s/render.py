@@ -8,6 +8,7 @@ the PVCs (`make k8s-storage`), and the namespace of either:
 from __future__ import annotations
 
 import argparse
+import copy
 import re
 import shlex
 import sys
@@ -162,16 +163,23 @@ def as_jobs(docs: list[dict]) -> list[dict]:
     and TrainingRuntimes: on our files as shipped it finds 0 resources), each with its job's
     waivers (checkov.io/skip annotations, with their reasons): `make k8s-checkov`."""
     jobs = []
-    for doc in docs:
+    sizes = {d["spec"]["runtimeRef"]["name"]: d["spec"]["trainer"].get("resourcesPerNode") for d in docs if d.get("kind") == "TrainJob"}
+    for doc in copy.deepcopy(docs):
         meta = doc["metadata"]
         waivers = {k: v for k, v in meta.get("annotations", {}).items() if k.startswith("checkov.io/")}
         if doc.get("kind") == "PyTorchJob":
             specs = {role.lower(): {"template": r["template"]} for role, r in doc["spec"]["pytorchReplicaSpecs"].items()}
         elif doc.get("kind") == "TrainingRuntime":
             specs = {j["name"]: j["template"]["spec"] for j in doc["spec"]["template"]["spec"]["replicatedJobs"]}
+            for spec in specs.values():  # the TrainJob's resources, set in the node container as the Trainer does
+                for c in spec["template"]["spec"]["containers"]:
+                    if c["name"] == "node" and sizes.get(meta["name"]):
+                        c["resources"] = sizes[meta["name"]]
         else:
             continue
         for name, spec in specs.items():
+            template = spec["template"].setdefault("metadata", {})
+            template["annotations"] = {**template.get("annotations", {}), **waivers}  # the pods' own checks (graph checks) see them there
             jobs.append({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": f"{meta['name']}-{name}", "annotations": waivers},
                          "spec": spec})
     return jobs
