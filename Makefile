@@ -147,12 +147,15 @@ slurm-submit:
 	@test -f '$(CONFIG)' || { echo "error: CONFIG=$(CONFIG) does not exist; pass a file of configs/ (e.g. CONFIG=configs/default.yaml)" >&2; exit 2; }
 	CONFIG=$(CONFIG) sbatch --nodes=$(NODES) --gpus-per-node=$(GPUS) slurm/ddp.sh $(ARGS)
 
-## TorchX's Volcano job on the cluster of your kubeconfig, with the pushed IMAGE
+## TorchX's Volcano job on the cluster of your kubeconfig, with the pushed IMAGE, in NAMESPACE (else
+## kubectl's current one, as k8s-storage and k8s-apply); TORCHX_FLAGS=--dryrun prints it instead
 torchx-k8s: tools
 	@$(call whole,NODES,2); $(call whole,GPUS,8)
 	@$(TOOLS)/python k8s/render.py --check-image '$(IMAGE)'
 	@kubectl config current-context >/dev/null 2>&1 || { echo "error: no Kubernetes cluster configured (kubectl config current-context fails); set KUBECONFIG or write ~/.kube/config, then run make torchx-k8s again" >&2; exit 2; }
-	$(TOOLS)/torchx run --workspace "" -s kubernetes trainer/components.py:train_ddp --image $(IMAGE) \
+	@ns=$${NAMESPACE:-$$(kubectl config view --minify -o jsonpath='{..namespace}')}; ns=$${ns:-default}; \
+	echo "torchx-k8s: namespace $$ns (NAMESPACE, else kubectl's current one: where make k8s-storage put the PVCs)"; \
+	$(TOOLS)/torchx run $(TORCHX_FLAGS) --workspace "" -s kubernetes -cfg namespace=$$ns trainer/components.py:train_ddp --image $(IMAGE) \
 		--j $(NODES)x$(GPUS) --gpu $(GPUS) --config $(CONFIG) --checkpoint_mount cifar-checkpoints --data_mount cifar-data -- $(ARGS)
 
 ## Start a one-node Slurm cluster here (root; Debian's slurm-wlm and munge)

@@ -16,7 +16,7 @@
 #                                 outlives a failed node. Every size in the range must split
 #                                 train.batch_size. The first node holds the rendezvous: the job
 #                                 survives the loss of any other node
-#   RDZV_PORT=29500+jobid%1000    c10d rendezvous port on the first node
+#   RDZV_PORT=a free port         c10d rendezvous port on the first node (picked there)
 #   LOCAL_ADDR=auto               address each node advertises: auto = this node's source address on
 #                                 the route to the first node (the interface the others reach it
 #                                 by; `hostname -I` lists addresses in no set order: docker0, IPoIB);
@@ -36,7 +36,13 @@ DATA_DIR=${DATA_DIR:-$SHARED_DIR/data}
 NPROC_PER_NODE=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-1}}
 MAX_RESTARTS=${MAX_RESTARTS:-3}
 MIN_NODES=${MIN_NODES:-${SLURM_NNODES:-1}}
-RDZV_PORT=${RDZV_PORT:-$((29500 + ${SLURM_JOB_ID:-0} % 1000))}
+# A port free on the first node, where this batch script runs: two jobs that share a node never
+# share it (a port from the job id would, for ids 1000 apart). Without python3 here, that formula.
+pick_port() {
+    python3 -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])' 2>/dev/null \
+        || echo $((29500 + ${SLURM_JOB_ID:-0} % 1000))
+}
+RDZV_PORT=${RDZV_PORT:-$(pick_port)}
 LOCAL_ADDR=${LOCAL_ADDR:-auto}
 
 # the first step's record reports the seconds since this moment (the batch job's start)

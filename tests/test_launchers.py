@@ -12,6 +12,7 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -142,6 +143,23 @@ def test_shell_scripts_are_shellcheck_clean():
     scripts = [*map(str, (ROOT / "slurm").glob("*.sh")), *map(str, (ROOT / "tests" / "slurm").glob("*.sh")), str(ROOT / ".ci" / "run")]
     p = subprocess.run([bin_("shellcheck"), "-x", *scripts], cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 0, p.stdout
+
+
+def test_slurm_jobs_that_share_a_node_get_their_own_rendezvous_port_and_one_gpu_no_whole_node():
+    """The batch script picks a port free on the first node, never one another job holds there
+    (29500 + job id % 1000 gave jobs 7 and 1007 the same). single.sh asks memory by the CPU, not --mem=0."""
+    held = socket.socket()
+    held.bind(("", 0))
+    held.listen()
+    picks = subprocess.run(["bash", "-c", 'source <(sed -n "/^pick_port()/,/^}/p" slurm/steps.sh); for id in 7 1007; do SLURM_JOB_ID=$id pick_port; done'],
+                           cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    with held:
+        assert len(picks) == 2 and all(p.isdigit() and int(p) != held.getsockname()[1] for p in picks)
+        for p in map(int, picks):  # free: a torchrun there can bind it
+            with socket.socket() as probe:
+                probe.bind(("", p))
+    sbatch = [line for line in (ROOT / "slurm" / "single.sh").read_text().splitlines() if line.startswith("#SBATCH")]
+    assert "#SBATCH --mem=0" not in sbatch and "#SBATCH --mem-per-cpu=4G" in sbatch
 
 
 # ------------------------------------------------------------------------------------------------
@@ -931,6 +949,19 @@ def test_make_torchx_k8s_refuses_a_local_image_and_a_missing_cluster_in_one_line
         lines = [x for x in p.stderr.splitlines() if x.strip() and not x.startswith("make")]
         assert p.returncode != 0 and len(lines) == 1 and words in lines[0], p.stderr
         assert "Traceback" not in p.stderr
+
+
+@pytest.mark.slow
+def test_make_torchx_k8s_uses_the_namespace_of_k8s_storage_and_k8s_apply(tools_venv, tmp_path):
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "kubectl").write_text('#!/bin/sh\ncase "$2" in view) echo team-b;; esac\n')  # a configured cluster whose current namespace is team-b
+    (fake / "kubectl").chmod(0o755)
+    for extra, namespace in (([], "team-b"), (["NAMESPACE=team-a"], "team-a")):
+        p = subprocess.run(["make", "-s", "torchx-k8s", f"TOOLS_VENV={tools_venv}", "IMAGE=ghcr.io/team/ct:0.1.0", "TORCHX_FLAGS=--dryrun", *extra],
+                           cwd=ROOT, capture_output=True, text=True, env={**env(), "PATH": f"{fake}:{os.environ['PATH']}"})
+        assert p.returncode == 0, p.stderr
+        assert f"torchx-k8s: namespace {namespace} (" in p.stdout and "=== SCHEDULER REQUEST ===" in p.stdout, (p.stdout + p.stderr)[-3000:]
 
 
 @pytest.mark.slow
