@@ -693,6 +693,32 @@ def test_torchx_local_cwd_runs_the_ddp_component_from_a_venv_not_activated(tmp_p
 
 
 @pytest.mark.slow
+def test_torchx_local_from_the_tools_venv_runs_the_repositorys_venv_or_says_what_to_install(tools_venv, tmp_path):
+    """The README's TorchX block in order: `make tools` (TorchX, no torch), then a local run. With
+    the repository's .venv the job runs in it; in a clone without one, the job stops in one line
+    that says what to install (no ModuleNotFoundError, no 'python: not found')."""
+    local = ["run", "--workspace", "", "-s", "local_cwd", "trainer/components.py:train_ddp", "--j", "1x1", "--gpu", "0", "--config",
+             "configs/smoke.yaml", "--checkpoint_mount", "", "--checkpoint_dir", str(tmp_path / "ck"), "--data_dir", str(tmp_path / "data"),
+             "--", "train.epochs=1", "train.plot=false"]
+    no_torch = os.pathsep.join(d for d in os.environ["PATH"].split(os.pathsep) if ".venv" not in d)
+    torchx_bin = str(tools_venv / "bin" / "torchx")
+    p = run([torchx_bin, *local], env=env(TORCHX_LOG_DIR=str(tmp_path / "logs"), PATH=no_torch), timeout=600, check=False)
+    out = p.stdout + p.stderr
+    assert "Job finished: SUCCEEDED" in out and list((tmp_path / "ck").glob("step-*/state.pt")), out[-3000:]
+    clone = tmp_path / "clone"  # the tracked files, no .venv
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    for f in files:
+        if (ROOT / f).is_file():
+            (clone / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / f, clone / f)
+    p = run([torchx_bin, *local], cwd=clone, env=env(TORCHX_LOG_DIR=str(tmp_path / "logs2"), PATH=no_torch), timeout=300, check=False)
+    out = p.stdout + p.stderr
+    errors = [line for line in out.splitlines() if "error: no Python here has torch and the trainer" in line]
+    assert "Job finished: FAILED" in out and errors and "make venv" in errors[0] and "TRAINER_PYTHON" in errors[0], out[-3000:]
+    assert "ModuleNotFoundError" not in out and "not found" not in out.replace("error: no Python", ""), out[-3000:]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("args, words", [
     # train_single asks for a GPU by default: the fix is the component's flag
     (["trainer/components.py:train_single", "--checkpoint_mount", ""], "none is visible; pass --gpu 0 to the component"),

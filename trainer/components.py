@@ -46,19 +46,28 @@ def _mounts(checkpoint_mount: str, checkpoint_root: str, data_mount: str, data_d
     return mounts
 
 
-def _python() -> str:
-    """The interpreter the job runs, by a path relative to the working directory (jobs of the
-    local and Slurm schedulers start there; no path of this machine goes into a remote job): this
-    one where it is a venv inside the working directory with torch (`.venv/bin/torchx run` works
-    without activating the venv), else the repository's .venv where there is one (TorchX from the
-    small `make tools` venv), else the job's own ``python`` (the image's)."""
+def _pythons() -> List[str]:
+    """Interpreters for the job to try, first to last; it takes the first that has torch and the
+    trainer (tried where the job runs: a local job on this machine, a remote one in its image or on
+    its node), else stops in one line (:data:`NO_PYTHON`). First the one running ``torchx run`` when
+    it has torch (by a path relative to the working directory where it lies inside it, as
+    ``.venv/bin/torchx`` does: no path of this machine in a remote job otherwise needs it), then
+    the repository's ``.venv`` (TorchX from the small `make tools` venv), then ``python3`` and
+    ``python`` on the PATH (an image's own; Debian and Ubuntu have no ``python``)."""
     import importlib.util
 
     here = os.path.abspath(os.getcwd())
     exe = os.path.abspath(sys.executable)
-    if exe.startswith(here + os.sep) and importlib.util.find_spec("torch") is not None:
-        return os.path.relpath(exe, here)
-    return os.path.join(".venv", "bin", "python") if os.path.exists(os.path.join(here, ".venv", "bin", "python")) else "python"
+    found = []
+    if importlib.util.find_spec("torch") is not None:
+        found.append(os.path.relpath(exe, here) if exe.startswith(here + os.sep) else exe)
+    venv = os.path.join(".venv", "bin", "python")
+    return [*found, *[venv] * (venv not in found), "python3", "python"]
+
+
+NO_PYTHON = ("error: no Python here has torch and the trainer (tried: {tried}): run make venv in the repository (its .venv), "
+             "or pip install -e . into a Python that has torch, or set TRAINER_PYTHON=/path/to/python")
+HAS_TRAINER = "import importlib.util as u, sys; sys.exit(not (u.find_spec('torch') and u.find_spec('trainer')))"
 
 
 def _role(
@@ -72,8 +81,12 @@ def _role(
     endpoint = "localhost:0" if max_nnodes == 1 else f"$${{{macros.rank0_env}:=localhost}}:{RDZV_PORT}"
     torchrun = ["--rdzv-backend", "c10d", "--rdzv-id", macros.app_id, "--nnodes", nnodes, "--nproc-per-node", str(nproc_per_node),
                 "--max-restarts", str(max_restarts), "-m", "trainer", "train", *train_args]
-    command = (f'py="${{TRAINER_PYTHON:-{_python()}}}"; [ -x "$py" ] || py=python; '
-               f'exec "$py" -m trainer torchrun --rdzv-endpoint "{endpoint}" {" ".join(shlex.quote(a) for a in torchrun)}')
+    pythons = " ".join(shlex.quote(p) for p in _pythons())
+    # the first interpreter with torch and the trainer (a spec lookup: no import, no cost), else one line and exit 2
+    command = (f'for py in ${{TRAINER_PYTHON:-}} {pythons}; do '
+               f'command -v "$py" >/dev/null && "$py" -c "{HAS_TRAINER}" 2>/dev/null && '
+               f'exec "$py" -m trainer torchrun --rdzv-endpoint "{endpoint}" {" ".join(shlex.quote(a) for a in torchrun)}; '
+               f'done; echo "{NO_PYTHON.format(tried="${TRAINER_PYTHON:-} " + pythons)}" >&2; exit 2')
     return specs.Role(
         name="trainer", image=image, entrypoint="bash", args=["-c", command], min_replicas=min_nnodes, num_replicas=max_nnodes,
         resource=specs.resource(cpu=cpu, gpu=gpu, memMB=memMB, h=h), env=env, port_map={"c10d": RDZV_PORT},
