@@ -486,8 +486,31 @@ def test_slurm_preemption_stops_both_nodes_with_75_and_the_requeued_job_resumes(
     assert f"resuming from {tmp_path}/checkpoints/pre/step-{stopped.group(1)}" in out and "done: step 1280" in out, out[-4000:]
 
 
-@pytest.mark.parametrize("supervised", [True, False], ids=["supervised", "control"])
-def test_a_preempted_torchx_job_saves_requeues_itself_and_resumes(slurm, tmp_path, supervised):
+def test_a_two_node_torchx_job_saves_before_its_time_limit_requeues_itself_and_resumes(slurm, tmp_path):
+    """`torchx run -s slurm --j 2x1`: a heterogeneous job, a component per node, whose squeue time
+    left has a line per component. Its 2-minute limit, 95 s of margin: both nodes stop, save, one
+    of them requeues the job before srun's --kill-on-bad-exit ends the other, and the requeued job
+    resumes from that save."""
+    from test_slurm import saved_before_first_resume, starts, torchx_job_id, torchx_slurm_cmd
+
+    cmd = torchx_slurm_cmd(tmp_path, "train.epochs=2000", nproc=1, nnodes=2)
+    job = torchx_job_id(slurm.run(*cmd, env=env(), cwd=tmp_path, timeout=120))
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and len(starts(tmp_path)) < 2:
+            time.sleep(1)
+        logs = "\n".join(f.read_text()[-3000:] for f in sorted((tmp_path / "job").glob("slurm-*")))
+        first, *again = starts(tmp_path)
+        assert first == 0 and again, logs
+        saved = saved_before_first_resume(tmp_path)
+        assert again[0] == saved[-1] > 0, (again, saved, logs)  # resumed from the save made before the time limit
+        assert int(slurm.job_field(job, "Restarts")) >= 1
+    finally:
+        slurm.run("scancel", job)
+
+
+@pytest.mark.parametrize("supervised, nnodes", [(True, 1), (False, 1), (True, 2)], ids=["supervised", "control", "supervised-2-nodes"])
+def test_a_preempted_torchx_job_saves_requeues_itself_and_resumes(slurm, tmp_path, supervised, nnodes):
     """TorchX's sbatch script (torchx 0.7) asks for no requeue of its own when --max_retries is 0;
     Slurm's preemption SIGTERMs the step and ends the job FAILED once its srun exits 75 within the
     grace time (the control: the component's TRAINER_SLURM_SUPERVISE switched off). Supervised, the
@@ -495,7 +518,7 @@ def test_a_preempted_torchx_job_saves_requeues_itself_and_resumes(slurm, tmp_pat
     free again."""
     from test_slurm import records, saved_before_first_resume, starts, torchx_job_id, torchx_slurm_cmd
 
-    cmd = torchx_slurm_cmd(tmp_path, "train.epochs=40", "checkpoint.every_steps=16", minutes=None, nproc=1)
+    cmd = torchx_slurm_cmd(tmp_path, "train.epochs=40", "checkpoint.every_steps=16", minutes=None, nproc=1, nnodes=nnodes)
     if not supervised:
         i = cmd.index("--env") + 1
         cmd[i] += ",TRAINER_SLURM_SUPERVISE=0"

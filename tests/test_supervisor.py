@@ -482,3 +482,13 @@ def test_the_verdict_reads_the_newest_group_and_a_killed_group_is_no_preemption(
         write(f"0.29611-{rank}", supervisor.EXIT_RUNNING, 5)  # the group of two started, then was killed
     assert sorted(recorded(tmp_path)) == [supervisor.EXIT_RUNNING] * 2
     assert verdict(1, recorded(tmp_path)) == 1
+
+
+def test_the_time_left_of_a_heterogeneous_job_is_its_least_component():
+    """squeue -o %L prints one line per component of a heterogeneous job (TorchX's multi-node
+    Slurm jobs): the least of them, not None (which meant: never stop to save)."""
+    from trainer.slurm import parse_time_left
+
+    assert parse_time_left("1-02:03:04\n") == 93784
+    assert parse_time_left("4:59\n5:00\n") == 299
+    assert parse_time_left("UNLIMITED\n") is None and parse_time_left("") is None

@@ -9,7 +9,7 @@ included), and its srun runs without ``-c``. The TorchX components therefore set
 - stops the workers ``TRAINER_SLURM_MARGIN_S`` (120) seconds before the job's time limit, as a
   signal would: they save and exit 75;
 - requeues the job after such a save, or after a preemption's (the job's PreemptTime is set), from
-  the first task only: the requeued job resumes from that checkpoint;
+  whichever node's task gets there first: the requeued job resumes from that checkpoint;
 - after bad input (exit 2) makes the job not requeueable, so no retry runs the same input again.
 
 In every Slurm job step (with or without that variable): a step confined to fewer CPUs than the job
@@ -35,7 +35,9 @@ same margin as slurm/ddp.sh's ``--signal=B:USR1@120``)."""
 
 
 def _job() -> str:
-    return os.environ.get("SLURM_JOB_ID", "")
+    """The job to ask about and act on: a heterogeneous job's leader (TorchX submits a multi-node
+    job as one, a component per node; the leader's requeue requeues them all), else the job."""
+    return os.environ.get("SLURM_HET_JOB_ID") or os.environ.get("SLURM_JOB_ID", "")
 
 
 def supervising() -> bool:
@@ -64,12 +66,15 @@ def _slurm(*cmd: str) -> str | None:
 
 
 def parse_time_left(text: str) -> float | None:
-    """squeue's ``%L`` ([days-][hours:]minutes:seconds) in seconds; None for UNLIMITED, NOT_SET, ..."""
-    m = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)", text.strip())
-    if not m:
-        return None
-    days, hours, minutes, seconds = (int(g or 0) for g in m.groups())
-    return float(((days * 24 + hours) * 60 + minutes) * 60 + seconds)
+    """squeue's ``%L`` ([days-][hours:]minutes:seconds) in seconds, the least of its lines (a
+    heterogeneous job prints one per component); None where no line is a time (UNLIMITED, NOT_SET)."""
+    left = []
+    for line in text.split():
+        m = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)", line)
+        if m:
+            days, hours, minutes, seconds = (int(g or 0) for g in m.groups())
+            left.append(float(((days * 24 + hours) * 60 + minutes) * 60 + seconds))
+    return min(left) if left else None
 
 
 class TimeLimit:
@@ -105,7 +110,10 @@ def preempted() -> bool:
 
 def after(code: int, limit: TimeLimit | None) -> None:
     """The job's fate after the supervisor's exit code: requeued after a save for its time limit or a
-    preemption (the first task asks; the others' steps end with the job), never after bad input."""
+    preemption, never after bad input. Every node's task asks, before it exits: the workers leave
+    only once the checkpoint is on disk, and TorchX's ``srun --kill-on-bad-exit=1`` kills the other
+    tasks as soon as one exits 75, so the first task may never get to ask. The first request
+    requeues the job (and ends every step); a later one finds it requeued and says nothing."""
     from trainer.supervisor import EXIT_PREEMPTED, EXIT_USAGE  # here: the supervisor imports this module
 
     job = _job()
@@ -113,12 +121,17 @@ def after(code: int, limit: TimeLimit | None) -> None:
         if _slurm("scontrol", "update", f"JobId={job}", "Requeue=0") is not None:
             print(f"slurm: job {job} had bad input: it is no longer requeueable (fix the input and submit again)", file=sys.stderr, flush=True)
         return
-    first = os.environ.get("SLURM_PROCID", "0") == "0"
-    if code != EXIT_PREEMPTED or not first or not ((limit is not None and limit.reached) or preempted()):
+    if code != EXIT_PREEMPTED or not ((limit is not None and limit.reached) or preempted()):
         return
     print(f"slurm: requeueing job {job}; it resumes from the checkpoint just saved", file=sys.stderr, flush=True)
-    if _slurm("scontrol", "requeue", job) is None:
+    if _slurm("scontrol", "requeue", job) is None and not requeued(job):
         print(f"slurm: job {job} could not be requeued (cancelled?): it stays stopped, exit 75", file=sys.stderr, flush=True)
+
+
+def requeued(job: str) -> bool:
+    """Whether another task's request requeued the job already (it is pending again, or on its way)."""
+    out = _slurm("scontrol", "show", "job", job)
+    return bool(out and re.search(r"\bJobState=(PENDING|REQUEUED|REQUEUE_HOLD|REQUEUE_FED|COMPLETING)\b", out))
 
 
 def cpu_shortfall() -> str:
