@@ -576,18 +576,20 @@ class PyTorchJob:
         return Proc(bed, pod, local_command(c, variables, self.paths, [*TINY_JOB, *self.extra]), pod_env)
 
 
-def test_pytorchjob_pods_on_two_hosts_train_and_a_lost_worker_pod_is_restarted_by_on_failure(tmp_path):
+def test_pytorchjob_pods_on_two_hosts_train_and_a_lost_worker_pod_is_replaced_by_the_operator(tmp_path):
+    """The worker pod's container dies with everything in it (137: retryable under the ExitCode
+    policy): the operator deletes the pod and makes it again, same name, and the job resumes."""
     job = PyTorchJob(tmp_path, "train.epochs=24")
-    assert job.specs["Worker"]["restartPolicy"] == "OnFailure"
+    assert job.specs["Worker"]["restartPolicy"] == "ExitCode"
     with Bed(len(job.pods), names=list(job.pods)) as bed:
         running = {pod: job.start(bed, pod) for pod in job.pods}
         running[job.master].when(r"epoch 4/24 step 8/")
         t_crash = time.time()
         bed.crash(job.worker)  # the worker's container dies with everything in it
-        time.sleep(10)  # the kubelet's first back-off, then OnFailure starts the container again (same pod, same host)
+        time.sleep(5)  # the operator deletes the failed pod and makes it again (same name, its host here)
         running[job.worker] = job.start(bed, job.worker)
         t_back = running[job.master].when(r"epoch \d+/24 step \d+/", after=running[job.master].when("resuming from", after=t_crash))
-        print(f"PyTorchJob: worker pod lost -> the master's next training step {t_back - t_crash:.1f} s later (10 s of it the pod was down)")
+        print(f"PyTorchJob: worker pod lost -> the master's next training step {t_back - t_crash:.1f} s later (5 s of it the pod was down)")
         both_finish(list(running.values()))
         assert "strategy ddp x2" in running[job.master].out and "done: step 384" in running[job.master].out
     assert (job.paths["/checkpoints"] / job.name / "step-384" / "state.pt").is_file()
@@ -595,7 +597,8 @@ def test_pytorchjob_pods_on_two_hosts_train_and_a_lost_worker_pod_is_restarted_b
 
 def test_pytorchjob_pods_deleted_save_once_exit_75_and_the_new_pods_resume(tmp_path):
     """Deleting the pods (a drain, a preemption, kubectl delete): the kubelet sends SIGTERM to each
-    container's first process and waits terminationGracePeriodSeconds; the new pods resume."""
+    container's first process and waits terminationGracePeriodSeconds; each saves and exits 203 (75
+    moved into the ExitCode policy's retried range); the new pods resume."""
     job = PyTorchJob(tmp_path, "train.epochs=12")
     grace = {role: spec["template"]["spec"].get("terminationGracePeriodSeconds", 30) for role, spec in job.specs.items()}
     with Bed(len(job.pods), names=list(job.pods)) as bed:
@@ -606,7 +609,7 @@ def test_pytorchjob_pods_deleted_save_once_exit_75_and_the_new_pods_resume(tmp_p
             p.proc.send_signal(signal.SIGTERM)
         codes = {pod: p.wait(max(grace.values())) for pod, p in running.items()}
         print(f"PyTorchJob pods deleted: exits {list(codes.values())} {time.time() - t_term:.1f} s after SIGTERM (grace {grace})")
-        assert set(codes.values()) == {EXIT_PREEMPTED}, {pod: p.out[-2000:] for pod, p in running.items()}
+        assert set(codes.values()) == {128 + EXIT_PREEMPTED}, {pod: p.out[-2000:] for pod, p in running.items()}
         stopped = re.search(r"stopped by SIGTERM at step (\d+); checkpoint saved", running[job.master].out)
         assert stopped, running[job.master].out[-2000:]
         again = {pod: job.start(bed, pod) for pod in job.pods}  # the operator makes the pods again
