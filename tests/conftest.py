@@ -3,6 +3,7 @@ download. Every multi-process test runs on the CPU with gloo."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -116,6 +117,30 @@ FAULT_RESULTS: list[tuple[str, int, int]] = []
 
 def record_fault(case: str, trials: int, passed: int) -> None:
     FAULT_RESULTS.append((case, trials, passed))
+
+
+GROUPS = {"test_hosts.py": "bed", "test_slurm.py": "slurm", "test_container.py": "container"}
+"""Under pytest-xdist (`make test-slow` runs two workers; most slow tests wait on timeouts, links
+and Slurm more than they compute), the tests that share something run on one worker, in order: the
+network-namespace beds (fixed host names; the last test checks that nothing is left), the one-node
+Slurm cluster, the container engine, and `make tools`' venv (built once)."""
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        group = GROUPS.get(item.path.name) or ("tools" if "tools_venv" in getattr(item, "fixturenames", ()) else None)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+def pytest_sessionfinish(session):
+    if hasattr(session.config, "workeroutput"):  # an xdist worker: its fault table goes to the controller
+        session.config.workeroutput["fault_results"] = json.dumps(FAULT_RESULTS)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    FAULT_RESULTS.extend(tuple(r) for r in json.loads(getattr(node, "workeroutput", {}).get("fault_results", "[]")))
 
 
 def pytest_terminal_summary(terminalreporter):

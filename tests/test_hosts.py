@@ -619,10 +619,20 @@ def test_pytorchjob_pods_deleted_save_once_exit_75_and_the_new_pods_resume(tmp_p
 
 
 def test_nothing_is_left_behind():
-    """Runs last in this module: no namespace or folder of any bed, no training process, no Slurm
-    daemon of a bed (theirs run with -D and a config of their own; the one-node cluster's do not)."""
+    """Runs last in this module: no namespace or folder of any bed, no training process that ran
+    on a bed's host (a network namespace other than this machine's: other tests may be training
+    beside this module), no Slurm daemon of a bed (theirs run with -D and a config of their own;
+    the one-node cluster's do not)."""
     assert not [ns for ns in namespaces() if ns.startswith("ct-")]
     assert not list(Path(tempfile.gettempdir()).glob("ct-*"))
+    ours = os.readlink("/proc/self/ns/net")
     for pattern in ("trainer (train|torchrun)", "slurm(ctld|d) -D"):
-        p = subprocess.run(["pgrep", "-af", pattern], capture_output=True, text=True)
-        assert not p.stdout.strip(), p.stdout
+        p = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True)
+        left = []
+        for pid in p.stdout.split():
+            try:
+                if os.readlink(f"/proc/{pid}/ns/net") != ours or "slurm" in pattern:
+                    left.append(open(f"/proc/{pid}/cmdline").read().replace("\0", " "))
+            except OSError:  # gone meanwhile
+                continue
+        assert not left, left
