@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call of the GPU machine (2x H200): strategy checks, benchmark suites, the two-"node" run.
 #   bash bench/device.sh strategies bench:micro,article bench:seednet bench:stall,recipes multinode
-# Needs the CIFAR-10 JPEG tarballs in .devdata/ (copied from ../shared/data) and writes to $OUT.
+# Needs the CIFAR-10 JPEG tarballs (train/ and test/ class folders) in .devdata/ and writes to $OUT.
 # BENCH_ARGS adds options to every `trainer bench` (e.g. "--seeds 4,5,6"); BENCH_CACHE shares the
 # decoded data between benches run side by side (CUDA_VISIBLE_DEVICES=0 ... & CUDA_VISIBLE_DEVICES=1 ...).
 set -uo pipefail

@@ -15,7 +15,38 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED_DATA = ROOT.parent / "shared" / "data"
+TEST_DATA_ENV = "TRAINER_TEST_DATA"
+"""A CIFAR-10 copy (train/ and test/ class folders of JPEGs, or their .tar.gz) for the tests that
+read real images (.ci/run sets it); without it they read JPEGs the tests make (:func:`jpegs`)."""
+
+
+def make_jpegs(root: Path, train: int = 260, test: int = 60, size: int = 32) -> Path:
+    """CIFAR-10's layout with images made here: 10 classes, each a colour and a stripe direction
+    under noise, JPEG-encoded (a model learns them well above chance, as it does CIFAR-10)."""
+    from PIL import Image
+
+    gen = torch.Generator().manual_seed(0)
+    for split, n in (("train", train), ("test", test)):
+        for c in range(10):
+            folder = root / split / f"class{c}"
+            folder.mkdir(parents=True, exist_ok=True)
+            colour = torch.tensor([(c * 37) % 256, (c * 91) % 256, (c * 53 + 80) % 256], dtype=torch.float32).view(3, 1, 1)
+            stripes = (torch.arange(size) // 4 % 2).float() * 60
+            stripes = stripes.view(1, 1, size) if c % 2 else stripes.view(1, size, 1)
+            for i in range(n):
+                img = (colour + stripes + torch.randn(3, size, size, generator=gen) * 40).clamp(0, 255).to(torch.uint8)
+                Image.fromarray(img.permute(1, 2, 0).numpy()).save(folder / f"{i}.jpg", quality=90)
+    return root
+
+
+@pytest.fixture(scope="session")
+def jpegs(tmp_path_factory) -> Path:
+    """CIFAR-10 as JPEGs: $TRAINER_TEST_DATA where set (CI: the real data set), else made here."""
+    given = os.environ.get(TEST_DATA_ENV)
+    if given:
+        assert Path(given).is_dir(), f"{TEST_DATA_ENV}={given} is no folder: point it at train/ and test/ class folders (or their .tar.gz)"
+        return Path(given)
+    return make_jpegs(tmp_path_factory.mktemp("jpegs"))
 
 # A seconds-long run: no batch norm (so data-parallel equals one process), synthetic data.
 TINY = [

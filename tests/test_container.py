@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, SHARED_DATA, free_port
+from conftest import ROOT, TEST_DATA_ENV, free_port, make_jpegs
 
 from trainer.supervisor import EXIT_PREEMPTED
 
@@ -67,9 +67,21 @@ def host():
     shutil.rmtree(d, ignore_errors=True)
 
 
+def data() -> Path:
+    """$TRAINER_TEST_DATA (CI: the real data set), else JPEGs made once, readable by the container's user."""
+    if os.environ.get(TEST_DATA_ENV):
+        return Path(os.environ[TEST_DATA_ENV])
+    folder = Path(tempfile.gettempdir()) / "container-test-jpegs"
+    if not (folder / "test").is_dir():
+        make_jpegs(folder)
+        for p in [folder, *folder.rglob("*")]:
+            p.chmod(0o755 if p.is_dir() else 0o644)
+    return folder
+
+
 def docker_run(image: str, ck: Path, *args: str, user: str = f"{USER}:{USER}", extra: tuple[str, ...] = ()) -> list[str]:
-    # the README's `docker run`, on the CPU, with the JPEG tarballs of ../shared/data as /data
-    return [ENGINE, "run", "--shm-size", "1g", "-u", user, *extra, "-v", f"{SHARED_DATA}:/data:ro",
+    # the README's `docker run`, on the CPU, with the CIFAR-10 JPEGs as /data
+    return [ENGINE, "run", "--shm-size", "1g", "-u", user, *extra, "-v", f"{data()}:/data:ro",
             "-v", f"{ck}:/checkpoints", image, "--config", "configs/smoke.yaml", "data.name=imagefolder",
             "model.name=tinynet", "data.train_subset=2048", "data.test_subset=512", *args]
 
@@ -169,7 +181,7 @@ def test_compose_up_trains_on_the_cpu_and_a_second_up_resumes(image, host, clien
     def up(config: str) -> str:
         # through `make compose-up` (its mkdir, its variables), with this client
         p = sh(["make", "-s", "compose-up", f"COMPOSE={' '.join(compose)}", f"IMAGE={image}", f"CONFIG=configs/{config}",
-                f"DATA={SHARED_DATA}", f"CHECKPOINTS={ck}", "NPROC=2"], timeout=600, cwd=ROOT, env=env)
+                f"DATA={data()}", f"CHECKPOINTS={ck}", "NPROC=2"], timeout=600, cwd=ROOT, env=env)
         out = p.stdout + p.stderr
         assert p.returncode == 0, out[-4000:]
         return out

@@ -1032,3 +1032,12 @@ def test_torchx_elastic_range_reaches_torchrun_and_the_scheduler():
     assert len(job["spec"]["tasks"]) == 3 and sum(t["minAvailable"] for t in job["spec"]["tasks"]) == 2, job["spec"]["tasks"]
     command = " ".join(job["spec"]["tasks"][0]["template"]["spec"]["containers"][0]["command"])
     assert "--nnodes 2:3" in command and "--nproc-per-node 8" in command and "train.batch_size=480" in command, command
+
+
+def test_no_test_reads_anything_beside_the_repository():
+    """A clone with nothing beside it runs `make test`: no test names a folder next to the checkout
+    (real images come from $TRAINER_TEST_DATA, schemas from tests/schemas)."""
+    beside = re.compile(r"\.\./shared|parent\s*/\s*\"shared\"|parents\[\d\]\s*/\s*\"shared\"")
+    found = [f"{p.name}:{i}" for p in sorted((ROOT / "tests").rglob("*.py")) for i, line in enumerate(p.read_text().splitlines(), 1)
+             if beside.search(line)]
+    assert found == []

@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, SHARED_DATA, TINY, env, newest, run, train, trainer_cmd, tree_files, weights
+from conftest import ROOT, TINY, env, newest, run, train, trainer_cmd, tree_files, weights
 
 CONSTANT = ("optim.schedule=constant", "optim.momentum=0.9")
 
@@ -115,9 +115,8 @@ def test_resume_errors_change_nothing(ckpt):
 
 
 @pytest.mark.slow
-def test_real_cifar10_jpegs_learn_far_above_chance(tmp_path):
-    assert SHARED_DATA.is_dir(), "../shared/data holds the CIFAR-10 JPEG copy"
-    p = run(trainer_cmd("train", "model.name=tinynet", "data.name=imagefolder", f"data.dir={SHARED_DATA}", f"data.cache_dir={tmp_path / 'cache'}",
+def test_real_cifar10_jpegs_learn_far_above_chance(tmp_path, jpegs):
+    p = run(trainer_cmd("train", "model.name=tinynet", "data.name=imagefolder", f"data.dir={jpegs}", f"data.cache_dir={tmp_path / 'cache'}",
                         "data.train_subset=10000", "data.test_subset=2000", "train.batch_size=64", "train.epochs=3", "optim.lr=0.05",
                         "optim.weight_decay=0", "train.log_every=100", f"checkpoint.dir={tmp_path / 'ck'}", "train.plot=false"), timeout=900)
     final = [r for r in map(json.loads, (tmp_path / "ck" / "metrics.jsonl").read_text().splitlines()) if r["event"] == "epoch"][-1]

@@ -58,7 +58,7 @@ class ModelConfig:
 class DataConfig:
     name: Literal["cifar10", "imagefolder", "synthetic"] = "cifar10"
     """cifar10 (torchvision, downloaded once per machine), imagefolder (train/ and test/ class folders,
-    or their .tar.gz, e.g. ../shared/data) or synthetic (generated, learnable, offline)."""
+    or their .tar.gz) or synthetic (generated, learnable, offline)."""
     dir: str = "./data"
     """Folder that holds the data set (the container's /data volume)."""
     download: bool = True

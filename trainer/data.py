@@ -147,7 +147,7 @@ def _cifar10(cfg: Config) -> tuple[Split, Split]:
                     reason = " ".join(str(e).split())[:120]
                     raise ConfigError(
                         f"CIFAR-10 is not in data.dir={cfg.data.dir} and could not be downloaded ({reason}); put "
-                        f"cifar-10-python.tar.gz there, or use data.name=imagefolder data.dir=PATH (e.g. ../shared/data; "
+                        f"cifar-10-python.tar.gz there, or use data.name=imagefolder data.dir=PATH (a folder of train/ and test/ class folders or their .tar.gz; "
                         f"make run-local DATA=PATH)"
                     ) from None
                 x = torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous()
@@ -172,7 +172,7 @@ def _find_source(root: Path, split: str) -> Path:
         return tars[0]
     raise ConfigError(
         f"data.dir={root} has no {split}/ folder of class folders and no *{split}*.tar.gz; "
-        f"point data.dir at a folder holding train/ and test/ (e.g. ../shared/data)"
+        f"point data.dir at a folder holding train/ and test/ class folders (or their .tar.gz)"
     )
 
 

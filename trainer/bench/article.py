@@ -1,4 +1,4 @@
-"""The article's training loop (../shared/seeds/000_*.txt), reproduced as written, for timing.
+"""The article's training loop (the blog post the project grew from), reproduced as written, for timing.
 
 Same network (its ``MyModule`` is our ``seednet``), fp32, a CPU DataLoader whose dataset returns
 PIL images through ``ToTensor`` (as torchvision's CIFAR10 does), batch 64 per process, plain SGD at

@@ -5,7 +5,7 @@ table is printed and ``OUT/results.json`` and ``OUT/bench.png`` are written.
 
     trainer bench                                  # everything, on all visible GPUs
     trainer bench --suite article,seednet          # some suites
-    trainer bench --suite recipes --data ../shared/data
+    trainer bench --suite recipes --data /path/to/cifar10
 Suites:
     restart           command -> first step, cold on a fresh node, then warm from the volume (--configs)
     micro             bf16 matmul ceiling, all-reduce bandwidth
@@ -347,7 +347,7 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="trainer bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="bench-results")
     p.add_argument("--suite", default="micro,article,seednet,stall,recipes,resnet18", help=f"comma-separated, of: {', '.join(SUITES)}")
-    p.add_argument("--data", default="", help="CIFAR-10 image folders or tarballs for the recipes (default ../shared/data)")
+    p.add_argument("--data", default="", help="CIFAR-10 image folders or tarballs for the recipes (default ./data)")
     p.add_argument("--configs", default=",".join(SHIPPED_CONFIGS), help="restart: the configs to start (default: every shipped one)")
     p.add_argument("--resnet-epochs", type=int, default=30)
     p.add_argument("--seeds", type=lambda v: [int(x) for x in v.split(",")], default=[1, 2, 3], help="seeds of the seeds suite, e.g. 4,5,6")
@@ -364,7 +364,7 @@ def main(argv: list[str]) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="bench-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
-    bench = Bench(out, tmp, torch.cuda.device_count(), args.data or "../shared/data", args)
+    bench = Bench(out, tmp, torch.cuda.device_count(), args.data or "data", args)
     for suite in args.suite.split(","):
         SUITES[suite](bench)
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()] if (out / "results.jsonl").exists() else []
