@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One call of the GPU machine (2x H200): strategy checks, benchmark suites, the two-"node" run.
+# On a GPU host (one or two GPUs), in one go: strategy checks, benchmark suites, the two-"node" run.
 #   bash bench/device.sh strategies bench:micro,article bench:seednet bench:stall,recipes multinode
-# Needs the CIFAR-10 JPEG tarballs (train/ and test/ class folders) in .devdata/ and writes to $OUT.
+# Needs the CIFAR-10 JPEG tarballs (train/ and test/ class folders) in .devdata/ and writes to $OUT (default /tmp/out).
 # BENCH_ARGS adds options to every `trainer bench` (e.g. "--seeds 4,5,6"); BENCH_CACHE shares the
 # decoded data between benches run side by side (CUDA_VISIBLE_DEVICES=0 ... & CUDA_VISIBLE_DEVICES=1 ...).
 set -uo pipefail
@@ -34,7 +34,7 @@ for part in "$@"; do
       name=${suite//,/-}
       # shellcheck disable=SC2086  # BENCH_ARGS: extra options, split on purpose (e.g. "--seeds 4,5,6")
       python3 -m trainer bench --suite "$suite" --data "$DATA" --out "$OUT/$name" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/$name.txt"
-      # at most 8 files come back from the machine: the table, and one archive of the rest
+      # the table, and one archive of the rest: few files to copy off the host
       tar -czf "$OUT/$name.tgz" -C "$OUT" "$name" && rm -rf "${OUT:?}/$name"
       ;;
     multinode)

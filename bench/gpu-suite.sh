@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The GPU suite on the device machine (two H200s): installs the carried test wheels (.whl: pytest,
-# psutil and their needs), then runs `pytest -m gpu` in its own session, so that a later call can
-# wait for it and collect the log and the figures (GPU_REPORT) from /tmp/gpu-suite.
+# The GPU suite on a GPU host (one or two GPUs) without the repository's venv: installs the test
+# wheels in .whl/ (pytest, psutil and their needs; for a host without network), then runs
+# `pytest -m gpu` in its own session, so that a later command can wait for it and collect the log
+# and the figures (GPU_REPORT) from /tmp/gpu-suite.
 #   GPU_SUITE_COMMIT=abc1234 bash bench/gpu-suite.sh start [PYTEST_ARGS...]   # then: ... wait SECONDS
 set -uo pipefail
 LOG=/tmp/gpu-suite
@@ -11,9 +12,9 @@ case ${1:-start} in
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
     rm -rf "$LOG" && mkdir -p "$LOG"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$LOG/machine.txt"
-    # the device's copy of the tree has no history of its own: the caller names the commit
-    echo "commit ${GPU_SUITE_COMMIT:-unknown}" >> "$LOG/machine.txt"
-    # the machine's own pytest plugins (pytest-timeout ...) may need another pytest than the carried one
+    # a copy of the tree may have no git history: GPU_SUITE_COMMIT names the commit (else git says it)
+    echo "commit ${GPU_SUITE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}" >> "$LOG/machine.txt"
+    # the host's own pytest plugins (pytest-timeout ...) may need another pytest than the one in .whl/
     export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 GPU_REPORT=$LOG/report.jsonl PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
     # shellcheck disable=SC2016  # expanded by the inner shell

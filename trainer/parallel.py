@@ -51,7 +51,7 @@ def wrap(model: nn.Module, criterion: nn.Module, cfg: Config, rt: Runtime, compi
             gathered = gather_linear_factors(model, cfg.train.batch_size, rt.world_size, force=bool(d.gather_linear_factors))
             # DDP leaves these weights alone: their gradients arrive already summed over the ranks
             ddp._set_params_and_buffers_to_ignore_for_model(net, [f"model.{n}.{k}" for n in gathered for k in ("weight", "bias")])
-        # torch 2.14 (pinned) renamed the per-forward buffer broadcast (the old name warns); the GPU machines' 2.11 has only the old one
+        # torch 2.14 (pinned) renamed the per-forward buffer broadcast (the old name warns); torch 2.11 has only the old one
         sync = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(ddp.__init__).parameters else "broadcast_buffers"
         net = ddp(
             net, device_ids=[rt.device.index] if rt.cuda else None, bucket_cap_mb=d.bucket_mb,

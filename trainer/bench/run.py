@@ -359,7 +359,7 @@ def main(argv: list[str]) -> int:
     import torch  # after the usage checks: seconds
 
     if not torch.cuda.is_available():
-        print("error: trainer bench needs CUDA GPUs; run it on the GPU machine", file=sys.stderr)
+        print("error: trainer bench needs CUDA GPUs; run it on a host with CUDA GPUs", file=sys.stderr)
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
