@@ -59,9 +59,12 @@ def test_startup_phases_add_up_to_the_time_since_the_start():
     clock.mark("a")
     clock.mark("b")
     time.sleep(0.01)
+    before = time.perf_counter()
     clock.mark("a")  # a phase met twice adds up
+    after = time.perf_counter()
     assert list(clock.phases) == ["a", "b"] and clock.phases["a"] >= 0.03
-    assert abs(sum(clock.phases.values()) - (time.perf_counter() - t0)) < 0.01
+    # the phases end at the last mark (bracketed, so no tolerance for a loaded machine; 1 ms each for rounding)
+    assert before - t0 - 0.002 <= sum(clock.phases.values()) <= after - t0 + 0.002
     assert isinstance(Startup.compile_seconds(), dict)
 
 

@@ -25,10 +25,15 @@ from trainer.watchdog import Watchdog
 def test_the_bound_grows_with_the_slowest_pause_and_nothing_fires_before_the_first_beat(tmp_path):
     dog = Watchdog(3, tmp_path, 0)
     assert dog.bound() == 3 and dog._thread is None  # not armed: compilation is not watched
+    a = time.monotonic()
     dog.beat(1)
-    time.sleep(0.1)
+    b = time.monotonic()
+    time.sleep(0.05)
+    c = time.monotonic()
     dog.beat(2)
-    assert 0.1 <= dog.slowest < 0.29 and dog.bound() == 3  # never less than the setting
+    d = time.monotonic()
+    assert c - b <= dog.slowest <= d - a  # the pause between the beats, however loaded the machine
+    assert dog.bound() == pytest.approx(max(3, 10 * dog.slowest))  # never less than the setting
     dog.slowest = 0.7
     assert dog.bound() == pytest.approx(7.0)
     dog.close()

@@ -336,6 +336,10 @@ def _holder_text(info: dict) -> str:
     return f"pid {info.get('pid')} on {info.get('host')}, since {since}, last heard from {age} s ago"
 
 
+LOCK_RECORD_BYTES = 512
+"""The lock file's size: its JSON record padded with spaces (see FolderLock._write)."""
+
+
 class FolderLock:
     """An exclusive lock on ``checkpoint.dir/.lock``, held by the writing process (rank 0) for its
     whole life, with who holds it (host, pid, since, heartbeat) inside the file.
@@ -430,9 +434,11 @@ class FolderLock:
         threading.Thread(target=self._beat, name="checkpoint-lock-heartbeat", daemon=True).start()
 
     def _write(self) -> None:
+        """The holder's record, padded to a fixed size and written over the old in one call: a
+        reader never finds the file empty (truncating first left a window in which one did, and,
+        on a file system without locks, took a held folder for a free one)."""
         data = json.dumps(self._info).encode()
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, data, 0)
+        os.pwrite(self._fd, data.ljust(max(LOCK_RECORD_BYTES, len(data))), 0)
 
     def _beat(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
