@@ -25,7 +25,7 @@ CHECKPOINTS ?= checkpoints
 BUILD ?= --build
 DATA_ARGS := $(if $(DATA),data.name=imagefolder data.dir=$(DATA))
 
-.PHONY: venv tools run-local test test-slow test-all test-gpu container-test lint bench image push compose-up k8s-storage k8s-apply k8s-checkov slurm-submit torchx-k8s slurm-up clean
+.PHONY: venv tools run-local test test-slow test-all test-gpu container-test lint bench image push compose-up k8s-storage k8s-apply k8s-checkov slurm-submit torchx-k8s slurm-up scorecard clean
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -74,6 +74,11 @@ test-gpu: venv
 	echo 'cython<3' > .venv-compose-v1/build-constraints.txt
 	PIP_CONSTRAINT=$(CURDIR)/.venv-compose-v1/build-constraints.txt .venv-compose-v1/bin/pip install -q docker-compose==1.29.2 \
 		docker==6.1.3 requests==2.31.0
+
+## The codebase's scorecard: code lines, statements, long functions, import cycles, upward arrows,
+## long lines, fixed sleeps in tests (tests/scorecard.py says how each is counted)
+scorecard:
+	$(PYTHON) tests/scorecard.py
 
 lint: venv
 	$(BIN)/ruff check trainer tests k8s
