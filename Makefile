@@ -58,10 +58,11 @@ run-local: venv
 test: venv
 	$(BIN)/python -m pytest -q -m "not slow and not gpu and not container"
 
-## (two workers: most slow tests wait on timeouts, links and Slurm; tests/conftest.py keeps the ones
-## that share a bed, the Slurm cluster or a venv on one worker; the slowest listed at the end)
+## (two workers: most slow tests wait on timeouts, links and Slurm; a test file's tests stay on one
+## worker, in order: those of tests/test_hosts.py share host names and end with a check that no bed
+## is left, those of test_slurm.py the one-node cluster; the slowest listed at the end)
 test-slow: venv $(CHECKOV)
-	$(BIN)/python -m pytest -q -m "slow and not gpu and not container" -n 2 --dist loadgroup --durations=15
+	$(BIN)/python -m pytest -q -m "slow and not gpu and not container" -n 2 --dist loadfile --durations=15
 
 test-all: venv $(CHECKOV)
 	$(BIN)/python -m pytest -q -m "not gpu"

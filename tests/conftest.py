@@ -150,20 +150,6 @@ def record_fault(case: str, trials: int, passed: int) -> None:
     FAULT_RESULTS.append((case, trials, passed))
 
 
-GROUPS = {"test_hosts.py": "bed", "test_slurm.py": "slurm", "test_container.py": "container"}
-"""Under pytest-xdist (`make test-slow` runs two workers; most slow tests wait on timeouts, links
-and Slurm more than they compute), the tests that share something run on one worker, in order: the
-network-namespace beds (fixed host names; the last test checks that nothing is left), the one-node
-Slurm cluster, the container engine, and `make tools`' venv (built once)."""
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        group = GROUPS.get(item.path.name) or ("tools" if "tools_venv" in getattr(item, "fixturenames", ()) else None)
-        if group:
-            item.add_marker(pytest.mark.xdist_group(group))
-
-
 def pytest_sessionfinish(session):
     if hasattr(session.config, "workeroutput"):  # an xdist worker: its fault table goes to the controller
         session.config.workeroutput["fault_results"] = json.dumps(FAULT_RESULTS)
