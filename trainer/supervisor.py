@@ -347,11 +347,16 @@ def verdict(torchrun_code: int, codes: list[int]) -> int:
 
 
 def exit_policy() -> str:
-    """TRAINER_EXIT_POLICY: '' (the contract's own codes) or 'exitcode'; another value is bad input."""
-    policy = os.environ.get(EXIT_POLICY_ENV, "").strip().lower()
-    if policy not in ("", "exitcode"):
-        raise ValueError(f"{EXIT_POLICY_ENV}={policy!r} is not a policy; set it to exitcode (Kubeflow's restartPolicy: ExitCode) or leave it unset")
-    return policy
+    """TRAINER_EXIT_POLICY: '' (the contract's own codes) or 'exitcode' (anything else is refused
+    before torchrun starts: :func:`exit_policy_problem`)."""
+    return os.environ.get(EXIT_POLICY_ENV, "").strip().lower()
+
+
+def exit_policy_problem() -> str | None:
+    """The one-line error for a policy that is none, else None (as slurm.margin_problem)."""
+    if exit_policy() in ("", "exitcode"):
+        return None
+    return f"{EXIT_POLICY_ENV}={exit_policy()!r} is not a policy; set it to exitcode (Kubeflow's restartPolicy: ExitCode) or leave it unset"
 
 
 def crash_budget(root: Path, host: str, limit: int) -> tuple[int, str | None]:
@@ -530,12 +535,7 @@ def supervise(torchrun_args: list[str], poll_s: float = 0.5) -> int:
     """Run ``torchrun ARGS`` and return the contract's exit code (see the module docstring)."""
     if warning := slurm.cpu_shortfall():
         print(warning, file=sys.stderr, flush=True)
-    try:
-        policy = exit_policy()
-    except ValueError as e:
-        print(e, file=sys.stderr, flush=True)
-        return EXIT_USAGE
-    if (error := missing_mount() or slurm.margin_problem() or world_range_problem(torchrun_args)) is not None:
+    if (error := missing_mount() or slurm.margin_problem() or exit_policy_problem() or world_range_problem(torchrun_args)) is not None:
         print(error, file=sys.stderr, flush=True)
         _error_file(error)
         if slurm.supervising():
@@ -577,7 +577,7 @@ def supervise(torchrun_args: list[str], poll_s: float = 0.5) -> int:
             _error_file(_usage_message(exit_dir) or "bad input (exit 2)")
         if slurm.supervising():
             slurm.after(final, limit)
-        code = for_launcher(final, torchrun_args, policy)
+        code = for_launcher(final, torchrun_args, exit_policy())
         if got and final == EXIT_PREEMPTED:
             print(f"stopped by {signal.Signals(got[0]).name}; the workers saved a checkpoint: exit {code} (run the same command to resume)",
                   file=sys.stderr, flush=True)
