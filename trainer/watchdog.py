@@ -10,7 +10,8 @@ reads, no sync). The bound is ``dist.hang_timeout_s``, raised to 10x the longest
 between two beats, so a run whose steps or saves are slow by nature is never cut short. A pause
 that the run recovered from (a link cut ridden out, a slow read: more than STALL times the median
 of the recent pauses of its kind, a step's or a save's) is a stall, not the run's nature: it
-raises nothing, and the progress lines leave its time out, wherever in the step or the save it fell. With other ranks, the bound stays below ``dist.timeout_s`` (CEILING of it) however slow the
+raises nothing, and the progress lines leave its time out, wherever in the step or the save it
+fell. With other ranks, the bound stays below ``dist.timeout_s`` (CEILING of it) however slow the
 steps and whatever ``dist.hang_timeout_s`` says, so a hang outside a collective leaves stacks
 before the collective timeout. It is armed by the first beat
 (after compilation and the first step), and watched in three places:
@@ -29,7 +30,8 @@ Whom a rank waited for: with other ranks, a second thread (Peers.follow) publish
 host, step and phase (data, step, eval, save) to the job's store every PUBLISH_S (its own
 connection, with a short timeout; a store call that blocks delays that thread, never the
 watchdog's). Once a rank's progress is past a third of its bound it reads the others' records,
-so the line it prints when it fires names the rank that stopped: one whose record no longer moves (stopped, frozen, or its host lost), one blocked
+so the line it prints when it fires names the rank that stopped: one whose record no longer moves
+(stopped, frozen, or its host lost), one blocked
 in its data read, or a store that no longer answers (rank 0's host).
 """
 
