@@ -2,6 +2,7 @@
 #   CONFIG=configs/default.yaml  DATA=<folder of train/ test/ or their .tar.gz>  ARGS="key=value ..."
 #   NPROC=auto (one per GPU, else 2)  IMAGE=cluster-trainer:0.1.0  REGISTRY (push)  GPUS=8  NODES=2
 #   K8S=multi-node (a job folder of k8s/: trainjob, trainjob-single, multi-node, single-gpu, elastic)  TORCHX_FLAGS (e.g. --dryrun)
+#   TEST_WORKERS=2 SLOW_WORKERS=3 (pytest processes of make test, make test-slow)
 #   NAMESPACE (k8s-storage, k8s-apply: else kubectl's current one)  STORAGE_CLASS (k8s-storage)  ENGINE=docker (or podman)  COMPOSE="docker compose" (or docker-compose, podman-compose)  CHECKPOINTS=checkpoints
 PYTHON ?= python3
 VENV ?= .venv
@@ -22,6 +23,8 @@ K8S ?= multi-node
 ENGINE ?= docker
 COMPOSE ?= docker compose
 CHECKPOINTS ?= checkpoints
+TEST_WORKERS ?= 2
+SLOW_WORKERS ?= 3
 BUILD ?= --build
 DATA_ARGS := $(if $(DATA),data.name=imagefolder data.dir=$(DATA))
 
@@ -56,19 +59,23 @@ run-local: venv
 ## The fast suite (minutes); test-slow: multi-process, faults, Slurm, TorchX; test-all: both;
 ## test-gpu: the GPU suite (resume matrix and faults on CUDA; two GPUs, data in GPU_DATA=.devdata)
 test: venv
-	$(BIN)/python -m pytest -q -m "not slow and not gpu and not container"
+	$(BIN)/python -m pytest -q -m "not slow and not gpu and not container" -n $(TEST_WORKERS) --durations=10
 
-## (two workers: most slow tests wait on timeouts, links and Slurm; a test file's tests stay on one
-## worker, in order: those of tests/test_hosts.py share host names and end with a check that no bed
-## is left, those of test_slurm.py the one-node cluster; the slowest listed at the end)
+## (SLOW_WORKERS side by side: most slow tests wait on timeouts, links and Slurm; a test file's tests
+## stay on one worker, in order: those of test_slurm.py share the one-node cluster; every bed of
+## network-namespace hosts is a test's own; then a check that no bed or process of one is left)
 test-slow: venv $(CHECKOV)
-	$(BIN)/python -m pytest -q -m "slow and not gpu and not container" -n 2 --dist loadfile --durations=15
+	$(BIN)/python -m pytest -q -m "slow and not gpu and not container" -n $(SLOW_WORKERS) --dist loadfile --durations=10
+	$(BIN)/python tests/hosts.py --check
 
 test-all: venv $(CHECKOV)
 	$(BIN)/python -m pytest -q -m "not gpu"
 
 test-gpu: venv
 	$(BIN)/python -m pytest -q -m gpu tests/test_gpu.py
+
+$(BIN)/podman-compose: $(BIN)/.installed
+	$(BIN)/python -m pip install -q podman-compose==1.6.0
 
 .venv-compose-v1/bin/docker-compose:
 	$(PYTHON) -m venv .venv-compose-v1
@@ -122,8 +129,7 @@ compose-up:
 ## (podman-compose and docker-compose 1.29.2, the v1 client, through podman's Docker API, run
 ## docker-compose.yml; v1 in its own venv: its PyYAML<6 clashes with ours and needs Cython<3 to
 ## build, and it needs the docker-py and requests of its day)
-container-test: venv .venv-compose-v1/bin/docker-compose
-	$(BIN)/python -m pip install -q podman-compose==1.6.0
+container-test: $(BIN)/podman-compose .venv-compose-v1/bin/docker-compose
 	CONTAINERS_CONF=$(CURDIR)/tests/container/containers.conf bash tests/container/base.sh
 	$(BIN)/python -m pytest -q -m container tests/test_container.py
 

@@ -265,10 +265,27 @@ PartitionName=urgent Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=2 PreemptM
         raise RuntimeError(f"the bed's Slurm nodes did not come up: {self.states()}\n{logs}")
 
 
+def left_behind() -> list[str]:
+    """Every bed's namespaces and folders, and processes that ran on a bed's host: a training or
+    torchrun process in this machine's process namespace but another network namespace (a
+    container's processes have a process namespace of their own), or a Slurm daemon of a bed (they
+    run with -D; the one-node cluster's do not). Called when no bed should be up."""
+    left = [ns for ns in namespaces() if ns.startswith(PREFIX)] + [str(d) for d in Path(tempfile.gettempdir()).glob(f"{PREFIX}*")]
+    net, pid_ns = os.readlink("/proc/self/ns/net"), os.readlink("/proc/self/ns/pid")
+    for pattern in ("trainer (train|torchrun)", "slurm(ctld|d) -D"):
+        for pid in subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split():
+            try:
+                if os.readlink(f"/proc/{pid}/ns/pid") == pid_ns and (os.readlink(f"/proc/{pid}/ns/net") != net or "slurm" in pattern):
+                    left.append(Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " "))
+            except OSError:  # gone meanwhile
+                continue
+    return left
+
+
 if __name__ == "__main__":
     if "--sweep" in sys.argv:
         print("\n".join(sweep()) or "nothing left behind")
     if "--check" in sys.argv:
-        left = [ns for ns in namespaces() if ns.startswith(PREFIX)] + [str(d) for d in Path(tempfile.gettempdir()).glob(f"{PREFIX}*")]
-        print("\n".join(left) or "no test-bed namespace or folder left")
+        left = left_behind()
+        print("\n".join(left) or "no test-bed namespace, folder or process left")
         sys.exit(1 if left else 0)
