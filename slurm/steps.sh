@@ -3,6 +3,11 @@
 # `srun`, forwards preemption to it, and requeues the job when it stopped after saving because Slurm
 # warned of the time limit (USR1) or preempted it (SIGTERM).
 #
+# Signals here (the batch shell): USR1, Slurm's warning before the time limit, becomes SIGTERM to
+# every job step (scancel); SIGTERM of a preemption goes from Slurm to the steps itself. In each
+# step the supervisor passes it to torchrun (trainer/supervisor.py), which passes it to the workers,
+# which save and exit 75 (trainer/stop.py).
+#
 # Environment (all optional):
 #   CONFIG=configs/default.yaml   trainer config file (relative to the repository)
 #   RUN_NAME=<job name>           stable name of the run: checkpoints go to $CKPT_ROOT/$RUN_NAME, so a

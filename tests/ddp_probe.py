@@ -1,4 +1,4 @@
-"""Run under torchrun by tests/test_dist.py: train with the real Trainer, then compare every rank's
+"""Run under torchrun by tests/test_runtime.py: train with the real Trainer, then compare every rank's
 parameters and write rank 0's as a flat vector. Usage: torchrun ... tests/ddp_probe.py OUT key=value..."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 
 from trainer.config import load_config
-from trainer.dist import setup, teardown
 from trainer.loop import Trainer
-from trainer.setup import build
+from trainer.run import build
+from trainer.runtime import setup, teardown
 
 
 def main() -> None:

@@ -16,10 +16,10 @@ import sys
 import torch
 
 from trainer.config import load_config
-from trainer.dist import setup, teardown
 from trainer.loop import Trainer
 from trainer.models import unwrap
-from trainer.setup import build
+from trainer.run import build
+from trainer.runtime import setup, teardown
 
 
 def layout(t: torch.Tensor) -> tuple:

@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "trainer"
 LONG = 40
-LAUNCHER = {"cli", "supervisor", "slurm", "rendezvous", "components", "check", "__main__"}
+LAUNCHER = {"cli", "supervisor", "slurm", "rendezvous", "torchrun", "procs", "components", "check", "__main__"}
 """Modules that run in the launcher's process (torchrun's supervisor, the CLI, TorchX); the rest run in workers."""
 
 

@@ -15,8 +15,8 @@ from conftest import env, run
 
 from trainer import compile_cache
 from trainer.config import Config
-from trainer.dist import Runtime
-from trainer.setup import Fast
+from trainer.run import Fast
+from trainer.runtime import Runtime
 
 
 def runtime(world_size: int = 1, strategy: str = "cpu") -> Runtime:
@@ -89,7 +89,7 @@ def test_importing_the_trainer_leaves_the_nodes_inductor_folder_alone(tmp_path):
     # importing torch._dynamo creates TORCHINDUCTOR_CACHE_DIR: before compile_cache.use has pointed
     # it at the volume, that folder is the node's own
     local = tmp_path / "node" / "inductor"
-    p = run([sys.executable, "-c", "import trainer.cli, trainer.loop, trainer.parallel, trainer.setup, trainer.optim"],
+    p = run([sys.executable, "-c", "import trainer.cli, trainer.loop, trainer.parallel, trainer.run, trainer.optim"],
             env=env(TORCHINDUCTOR_CACHE_DIR=str(local)), timeout=120)
     assert p.returncode == 0 and not local.exists(), p.stdout[-2000:]
 

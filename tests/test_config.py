@@ -171,3 +171,55 @@ def test_trainer_check_refuses_a_range_in_one_line():
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and "every size the elastic job may take" in p.stderr, p.stderr
     ok = run(trainer_cmd("check", "--config", "configs/smoke.yaml", "--nnodes", "2:3", "train.batch_size=96", "data.name=synthetic"), check=False)
     assert ok.returncode == 0 and ok.stdout.strip() == "ok", ok.stderr
+
+
+# Every rule about values that cannot work together, with overrides that break it on any machine
+# (a CPU-only node included), and words of its error.
+COMBINATIONS = {
+    "nesterov without momentum": (["optim.momentum=0", "optim.nesterov=true"], "optim.nesterov=true needs optim.momentum > 0"),
+    "compile with dp": (["model.compile=true", "train.strategy=dp"], "model.compile=true does not work with train.strategy=dp"),
+    "lookahead with fsdp": (["train.strategy=fsdp", "optim.lookahead_every=5"], "optim.lookahead_every (Lookahead) does not work with train.strategy=fsdp"),
+    "fused with fsdp": (["train.strategy=fsdp", "optim.impl=fused"], "optim.impl=fused does not run on fsdp's sharded parameters"),
+    "fused on the cpu": (["train.strategy=cpu", "optim.impl=fused"], "optim.impl=fused needs CUDA"),
+    "nccl in one process": (["train.strategy=single", "dist.backend=nccl"], "dist.backend=nccl needs train.strategy=ddp or fsdp under torchrun"),
+    "nccl on the cpu": (["train.device=cpu", "dist.backend=nccl"], "dist.backend=nccl needs CUDA GPUs"),
+    "bf16 weights without autocast": (["train.precision=fp32", "train.param_dtype=bf16"], "train.param_dtype=bf16 needs bf16 autocast"),
+    "bf16 weights with fsdp": (["train.precision=bf16", "train.param_dtype=bf16", "train.strategy=fsdp"], "train.param_dtype=bf16 does not work with train.strategy="),
+    "bf16 weights with adamw": (["train.precision=bf16", "train.param_dtype=bf16", "optim.name=adamw"], "master weights with SGD only"),
+    "bf16 weights with lookahead": (["train.precision=bf16", "train.param_dtype=bf16", "optim.lookahead_every=4"], "does not work with Lookahead"),
+}
+
+
+def test_every_combination_rule_has_a_case_here():
+    """A rule added to Config.combination_rules without a case in COMBINATIONS fails here."""
+    missing = [m for _, m in Config().combination_rules() if not any(words in m for _, words in COMBINATIONS.values())]
+    assert not missing, missing
+
+
+def unvalidated(overrides: list[str]) -> Config:
+    """The config with these overrides and no validation: what a worker holds if its launcher never checked."""
+    cfg = Config()
+    for key, value in (o.split("=", 1) for o in overrides):
+        section, name = key.split(".")
+        setattr(getattr(cfg, section), name, {"true": True, "false": False}.get(value, int(value) if value.isdigit() else value))
+    return cfg
+
+
+@pytest.mark.parametrize("case", COMBINATIONS)
+def test_trainer_check_refuses_what_a_worker_would(case):
+    """`trainer check` (what launchers run first) stops on each rule with its one line and exit 2;
+    a worker on a node with or without GPUs finds the same with auto resolved there."""
+    overrides, words = COMBINATIONS[case]
+    p = run(trainer_cmd("check", "--config", "configs/smoke.yaml", *overrides), check=False)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and words in p.stderr, p.stderr
+    cfg = unvalidated(overrides)
+    strategy = cfg.train.strategy if cfg.train.strategy != "auto" else "ddp"  # auto under torchrun
+    for cuda in (False, True):
+        assert words in (cfg.combination_problem(strategy, cuda) or ""), (cuda, cfg.combination_problem(strategy, cuda))
+
+
+def test_trainer_launch_stops_on_a_rule_before_torchrun_starts(tmp_path):
+    p = run(trainer_cmd("launch", "--nproc-per-node", "2", "--config", "configs/smoke.yaml", "train.strategy=fsdp", "optim.lookahead_every=5",
+                        f"checkpoint.dir={tmp_path / 'ck'}"), check=False, timeout=60)
+    assert p.returncode == 2 and "torchrun" not in p.stderr and "does not work with train.strategy=fsdp" in p.stderr, p.stderr
+    assert not (tmp_path / "ck").exists()

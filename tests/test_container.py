@@ -22,7 +22,7 @@ import pytest
 import yaml
 from conftest import ROOT, TEST_DATA_ENV, free_port, make_jpegs
 
-from trainer.supervisor import EXIT_PREEMPTED
+from trainer.contract import EXIT_PREEMPTED
 
 pytestmark = pytest.mark.container
 

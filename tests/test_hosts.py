@@ -22,7 +22,7 @@ import torch
 from conftest import ROOT, TINY, env, newest, weights
 from hosts import Bed
 
-from trainer.supervisor import EXIT_PREEMPTED
+from trainer.contract import EXIT_PREEMPTED
 
 pytestmark = pytest.mark.slow
 

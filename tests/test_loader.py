@@ -6,8 +6,8 @@ import torch.nn.functional as F
 
 from trainer.config import load_config
 from trainer.data import synthetic
-from trainer.dist import Runtime
 from trainer.loader import Augment, DeviceLoader, HostLoader, eval_batches, eval_shard, random_crop
+from trainer.runtime import Runtime
 
 CPU = torch.device("cpu")
 

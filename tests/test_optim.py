@@ -47,13 +47,6 @@ def test_lookahead_pulls_the_fast_weights_to_the_slow_average():
             assert torch.equal(v, moved[k]) and torch.equal(la.state_dict()[k], moved[k])
 
 
-def test_fused_optimizer_needs_cuda():
-    from trainer.config import ConfigError
-
-    with pytest.raises(ConfigError, match="optim.impl=foreach"):
-        build_optimizer(nn.Linear(2, 2), load_config(None, ["optim.impl=fused"]), cuda=False)
-
-
 @pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("momentum, nesterov, wd", [(0.0, False, 0.0), (0.9, False, 5e-4), (0.9, True, 5e-4)])
 def test_bf16_weights_follow_torch_sgd_on_their_fp32_masters(compiled, momentum, nesterov, wd):

@@ -7,7 +7,7 @@ from conftest import BF16_DDP, DDP_12_STEPS
 
 from trainer import models, parallel
 from trainer.config import load_config
-from trainer.dist import Runtime
+from trainer.runtime import Runtime
 
 
 def test_ddp_settings_reach_the_wrapper(tmp_path):

@@ -19,7 +19,9 @@ from conftest import ROOT, TINY, env, newest, run, trainer_cmd
 
 from trainer import checkpoint, supervisor
 from trainer.checkpoint import CheckpointError, FolderLock
-from trainer.supervisor import EXIT_PREEMPTED, EXIT_USAGE, recorded, verdict
+from trainer.contract import EXIT_PREEMPTED, EXIT_RUNNING, EXIT_USAGE
+from trainer.procs import has_children
+from trainer.supervisor import recorded, verdict
 
 LONG = [*TINY, "train.epochs=400", "train.log_every=8", "checkpoint.every_steps=0"]
 
@@ -382,7 +384,7 @@ def test_an_agent_left_without_a_live_worker_past_its_rendezvous_bound_is_named(
     deadline = time.time() + 10
     while time.time() < deadline and [c.status() for c in psutil.Process(p.pid).children()] != [psutil.STATUS_ZOMBIE]:
         time.sleep(0.05)
-    assert supervisor._has_children(p.pid) is False  # its exited, unreaped child is no worker
+    assert has_children(p.pid) is False  # its exited, unreaped child is no worker
     t_gone, line = time.time(), ""
     while time.time() < t_gone + 30 and not (line := watch.check()):
         time.sleep(0.1)
@@ -401,7 +403,7 @@ def test_an_agent_with_a_live_worker_is_left_alone(monkeypatch):
             time.sleep(0.05)
         watch = supervisor.LostRendezvous(["--rdzv-conf=join_timeout=0"], p.pid)
         time.sleep(0.5)
-        assert supervisor._has_children(p.pid) is True and watch.check() == ""
+        assert has_children(p.pid) is True and watch.check() == ""
         assert supervisor.LostRendezvous([], p.pid).bound_s == 600 + supervisor.LOST_RENDEZVOUS_MARGIN_S  # torchrun's default
     finally:
         for c in psutil.Process(p.pid).children(recursive=True):
@@ -426,7 +428,7 @@ def test_store_reads_wait_as_long_as_the_rendezvous_and_elastic_groups_re_form_s
     """A store read that times out on a cut link leaves the agent's connection out of step
     (tests/test_hosts.py shows the job ending): reads wait as long as join_timeout, unless given.
     An elastic range re-forms 5 s after its MIN nodes are back, unless given."""
-    from trainer.supervisor import with_rdzv_defaults
+    from trainer.rendezvous import with_rdzv_defaults
 
     assert with_rdzv_defaults(argv) == expected
 
@@ -483,8 +485,8 @@ def test_the_verdict_reads_the_newest_group_and_a_killed_group_is_no_preemption(
         write(f"0.29500-{rank}", EXIT_PREEMPTED, 20)  # the group of three stopped for a re-form
     assert recorded(tmp_path) == [EXIT_PREEMPTED] * 3
     for rank in range(2):
-        write(f"0.29611-{rank}", supervisor.EXIT_RUNNING, 5)  # the group of two started, then was killed
-    assert sorted(recorded(tmp_path)) == [supervisor.EXIT_RUNNING] * 2
+        write(f"0.29611-{rank}", EXIT_RUNNING, 5)  # the group of two started, then was killed
+    assert sorted(recorded(tmp_path)) == [EXIT_RUNNING] * 2
     assert verdict(1, recorded(tmp_path)) == 1
 
 

@@ -18,7 +18,8 @@ import pytest
 from conftest import ROOT, TINY, env, trainer_cmd, worker
 
 from trainer import watchdog
-from trainer.supervisor import EXIT_HUNG, HEARTBEAT_MARGIN_S, kill_hung_workers
+from trainer.contract import EXIT_HUNG
+from trainer.supervisor import HEARTBEAT_MARGIN_S, kill_hung_workers
 from trainer.watchdog import Watchdog
 
 

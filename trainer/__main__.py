@@ -1,6 +1,6 @@
 """``python -m trainer``: what torchrun, Docker, TorchX, Kubernetes and Slurm all run."""
 
-from trainer.supervisor import stamp_command_start  # the standard library only: the clock a user feels starts here
+from trainer.contract import stamp_command_start  # the standard library only: the clock a user feels starts here
 
 stamp_command_start()
 

@@ -23,14 +23,12 @@ buffer comes back channels-last, which the fused optimizers require.
 from __future__ import annotations
 
 import errno
-import fcntl
 import hashlib
 import json
 import os
 import re
 import shutil
 import socket
-import sys
 import threading
 import time
 import warnings
@@ -43,8 +41,10 @@ from torch import nn
 
 from trainer import models
 from trainer.config import Config, ConfigError, to_dict
+from trainer.contract import one_line, say
+from trainer.faults import crash_point
+from trainer.files import flock, sha256
 from trainer.models import unwrap
-from trainer.stop import crash_point
 
 STATE, META = "state.pt", "meta.json"
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -83,14 +83,6 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _sha256(path: Path) -> str:
-    sha = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 24):
-            sha.update(chunk)
-    return sha.hexdigest()
-
-
 def complete(root: Path) -> list[tuple[int, Path]]:
     """Checkpoints with a completion marker, oldest first (not yet verified)."""
     if not root.is_dir():
@@ -108,7 +100,7 @@ def verify(folder: Path) -> dict:
         raise CheckpointError(f"checkpoint {folder} is incomplete ({e.__class__.__name__})") from None
     if size != meta.get("bytes"):
         raise CheckpointError(f"checkpoint {folder} is truncated ({size} of {meta.get('bytes')} bytes)")
-    if _sha256(folder / STATE) != meta.get("sha256"):
+    if sha256(folder / STATE) != meta.get("sha256"):
         raise CheckpointError(f"checkpoint {folder} is corrupted (checksum mismatch)")
     return meta
 
@@ -208,7 +200,7 @@ def load(path: str | Path, verify_checksum: bool = True) -> dict:
     try:
         state = torch.load(state_file, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # noqa: BLE001 - pickle, zip and type errors all mean the same to the user
-        why = " ".join(str(e).split())[:160]
+        why = one_line(e, 160)
         raise CheckpointError(f"{state_file} is not a loadable trainer checkpoint ({e.__class__.__name__}: {why}); pass a step-N folder written by `trainer train`") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT or "model" not in state:
         raise CheckpointError(f"{state_file} is not a trainer checkpoint (no format/model entries); pass a step-N folder written by `trainer train`")
@@ -291,7 +283,7 @@ def write(state: dict, root: Path, step: int, keep: int) -> Path:
     for _, old in complete(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     if replaced:
-        prune_set_aside(root, say=lambda m: print(m, file=sys.stderr, flush=True))
+        prune_set_aside(root, say=lambda m: say(m))
     return final
 
 
@@ -380,10 +372,7 @@ class FolderLock:
         """An fd holding the lock, or None when another process holds it."""
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return None
+            held = flock(fd, wait=False)
         except OSError:  # no locks on this file system (ENOLCK, EOPNOTSUPP): the heartbeat decides
             info = self._read()
             alive = info and (time.time() - info.get("heartbeat", 0) <= self.stale_s) and info.get("pid") != os.getpid()
@@ -393,9 +382,9 @@ class FolderLock:
                 os.close(fd)
                 return None
             return fd
-        if os.fstat(fd).st_ino != os.stat(self.path).st_ino:  # moved aside as stale meanwhile
+        if not held or os.fstat(fd).st_ino != os.stat(self.path).st_ino:  # another holds it, or moved aside as stale meanwhile
             os.close(fd)
-            return self._try()
+            return self._try() if held else None
         return fd
 
     def check(self) -> None:

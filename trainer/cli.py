@@ -24,7 +24,8 @@ import time
 import click
 
 from trainer.config import ConfigError, check_batch, check_devices, check_world_range, explain, load_config, to_yaml
-from trainer.supervisor import EXIT_CRASH, EXIT_USAGE, gpu_count, record_exit, record_start, stamp_command_start, supervised, writable_home
+from trainer.contract import EXIT_CRASH, EXIT_USAGE, die_with_parent, record_exit, record_start, stamp_command_start, supervised
+from trainer.supervisor import gpu_count, writable_home
 
 _LOCAL_RANK = re.compile(r"^--local[-_]rank(=(\d+))?$")
 
@@ -34,8 +35,7 @@ def strip_local_rank(argv: list[str]) -> list[str]:
     drop it and export LOCAL_RANK (torchrun's environment wins when both are there)."""
     out, i = [], 0
     while i < len(argv):
-        m = _LOCAL_RANK.match(argv[i])
-        if m:
+        if m := _LOCAL_RANK.match(argv[i]):
             value = m.group(2)
             if value is None and i + 1 < len(argv):
                 i += 1
@@ -81,16 +81,14 @@ def train(config_file, overrides):
     """Train; resumes by itself from the newest complete checkpoint in checkpoint.dir."""
     started = time.perf_counter()
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: die with torchrun, never train on orphaned
-        from trainer.supervisor import die_with_parent
-
         die_with_parent()
     cfg = load_config(config_file, overrides)
     from pathlib import Path
 
     from trainer import crash
-    from trainer.dist import gather_hosts, setup, teardown
     from trainer.loop import Trainer
-    from trainer.setup import build
+    from trainer.run import build
+    from trainer.runtime import gather_hosts, setup, teardown
 
     rt = setup(cfg)
     record_start()  # a group killed before its workers record an exit is not taken for the one before it
@@ -174,7 +172,7 @@ def data(config_file, overrides):
 def launch(nproc_per_node, max_restarts, config_file, overrides):
     """Check the config against this node and decode the data set into its cache if it is not
     there yet, then run torchrun -m trainer train with the same arguments, supervised (exit codes:
-    see trainer/supervisor.py). Only this first decode imports torch here: on a restart the launcher
+    see trainer/contract.py). Only this first decode imports torch here: on a restart the launcher
     costs a fraction of a second, and the workers make every other check (a bad input exits 2
     once, from rank 0, with no restart)."""
     cfg = load_config(config_file, overrides)

@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from trainer.files import replacing, sha256
+
 FOLDER = "compile-cache"
 KEEP = 4
 MANIFEST = "MANIFEST.json"
@@ -71,14 +73,6 @@ def _files(d: Path) -> list[Path]:
                   and not p.name.startswith("tmp"))
 
 
-def _digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def check(root: Path, name: str) -> str:
     """Rank 0, before the others use the folder: 'warm (N files)', 'none', or 'damaged' (the folder
     set aside with a warning)."""
@@ -90,7 +84,7 @@ def check(root: Path, name: str) -> str:
         entries = json.loads((d / MANIFEST).read_text())["files"]
         for rel, (size, digest) in entries.items():
             path = d / rel
-            if not path.is_file() or path.stat().st_size != size or _digest(path) != digest:
+            if not path.is_file() or path.stat().st_size != size or sha256(path) != digest:
                 problem = f"{rel} is missing or changed"
                 break
     except FileNotFoundError:
@@ -112,10 +106,9 @@ def seal(root: Path, name: str) -> int:
     d = folder(root, name)
     try:
         files = _files(d)
-        entries = {str(p.relative_to(d)): (p.stat().st_size, _digest(p)) for p in files}
-        tmp = d / f"{MANIFEST}.tmp"
-        tmp.write_text(json.dumps({"key": name, "torch": torch.__version__, "files": entries}, indent=0))
-        os.replace(tmp, d / MANIFEST)
+        entries = {str(p.relative_to(d)): (p.stat().st_size, sha256(p)) for p in files}
+        with replacing(d / MANIFEST) as tmp:
+            tmp.write_text(json.dumps({"key": name, "torch": torch.__version__, "files": entries}, indent=0))
     except OSError as e:
         warnings.warn(f"could not seal the compile cache {d} ({e.__class__.__name__}: {e}); the next start compiles again", stacklevel=2)
         return 0

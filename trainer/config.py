@@ -246,6 +246,13 @@ class ProfileConfig:
     """Steps of this launch before the profiled window (compilation and warm-up are over by then)."""
 
 
+POSITIVE = ("train.epochs train.batch_size train.log_every train.eval_every optim.lr data.eval_batch_size dist.timeout_s dist.bucket_mb "
+            "checkpoint.keep data.synthetic_train_size data.synthetic_test_size").split()
+NON_NEGATIVE = ("train.max_steps optim.weight_decay optim.momentum optim.warmup_epochs optim.final_lr_fraction optim.warmup_start "
+                "optim.label_smoothing optim.bias_lr_scale optim.lookahead_every data.train_subset data.test_subset data.crop_padding "
+                "data.num_workers checkpoint.every_epochs checkpoint.every_steps train.seed profile.steps profile.skip dist.hang_timeout_s").split()
+
+
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -256,74 +263,71 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
 
+    def get(self, key: str) -> Any:
+        """A value by its dotted key (``train.epochs``)."""
+        section, name = key.split(".")
+        return getattr(getattr(self, section), name)
+
     def validate(self) -> Config:
         """Raise ConfigError on the first impossible value; return self."""
-        positive = {
-            "train.epochs": self.train.epochs,
-            "train.batch_size": self.train.batch_size,
-            "train.log_every": self.train.log_every,
-            "train.eval_every": self.train.eval_every,
-            "optim.lr": self.optim.lr,
-            "data.eval_batch_size": self.data.eval_batch_size,
-            "dist.timeout_s": self.dist.timeout_s,
-            "dist.bucket_mb": self.dist.bucket_mb,
-            "checkpoint.keep": self.checkpoint.keep,
-            "data.synthetic_train_size": self.data.synthetic_train_size,
-            "data.synthetic_test_size": self.data.synthetic_test_size,
-        }
-        for key, value in positive.items():
-            if value <= 0:
+        for key in POSITIVE:
+            if (value := self.get(key)) <= 0:
                 raise ConfigError(f"{key}={value} must be greater than 0")
-        non_negative = {
-            "train.max_steps": self.train.max_steps,
-            "optim.weight_decay": self.optim.weight_decay,
-            "optim.momentum": self.optim.momentum,
-            "optim.warmup_epochs": self.optim.warmup_epochs,
-            "optim.final_lr_fraction": self.optim.final_lr_fraction,
-            "optim.warmup_start": self.optim.warmup_start,
-            "optim.label_smoothing": self.optim.label_smoothing,
-            "optim.bias_lr_scale": self.optim.bias_lr_scale,
-            "optim.lookahead_every": self.optim.lookahead_every,
-            "data.train_subset": self.data.train_subset,
-            "data.test_subset": self.data.test_subset,
-            "data.crop_padding": self.data.crop_padding,
-            "data.num_workers": self.data.num_workers,
-            "checkpoint.every_epochs": self.checkpoint.every_epochs,
-            "checkpoint.every_steps": self.checkpoint.every_steps,
-            "train.seed": self.train.seed,
-            "profile.steps": self.profile.steps,
-            "profile.skip": self.profile.skip,
-            "dist.hang_timeout_s": self.dist.hang_timeout_s,
-        }
-        for key, value in non_negative.items():
-            if value < 0:
+        for key in NON_NEGATIVE:
+            if (value := self.get(key)) < 0:
                 raise ConfigError(f"{key}={value} must not be negative")
         if self.optim.momentum >= 1:
             raise ConfigError(f"optim.momentum={self.optim.momentum} must be below 1")
         if self.optim.label_smoothing >= 1:
             raise ConfigError(f"optim.label_smoothing={self.optim.label_smoothing} must be below 1")
-        if self.optim.nesterov and self.optim.momentum == 0 and self.optim.name == "sgd":
-            raise ConfigError("optim.nesterov=true needs optim.momentum > 0; set optim.nesterov=false")
         if not self.checkpoint.dir:
             raise ConfigError("checkpoint.dir must not be empty")
-        if self.train.param_dtype == "bf16" and (problem := self.bf16_weights_problem(self.train.strategy)):
+        if problem := self.combination_problem():
             raise ConfigError(problem)
         return self
 
+    def combination_rules(self, strategy: str | None = None, cuda: bool | None = None) -> list[tuple[bool, str]]:
+        """Every rule about values that cannot work together: (broken, the one-line error naming the
+        fix). validate() asks with the config as given (``trainer check``, ``trainer launch``, every
+        worker), check_devices() with this node's GPUs, a worker again with ``strategy`` and ``cuda``
+        as this node resolved them (what auto left open)."""
+        t, o = self.train, self.optim
+        strategy = strategy or t.strategy
+        cpu = cuda is False or "cpu" in (strategy, t.device)
+        no_bf16 = t.precision == "fp32" or (t.precision == "auto" and cpu)
+        return [
+            (o.nesterov and o.momentum == 0 and o.name == "sgd", "optim.nesterov=true needs optim.momentum > 0; set optim.nesterov=false"),
+            (self.model.compile and strategy == "dp",
+             "model.compile=true does not work with train.strategy=dp; use model.compile=false (or auto) or train.strategy=ddp"),
+            (o.lookahead_every and strategy == "fsdp",
+             "optim.lookahead_every (Lookahead) does not work with train.strategy=fsdp; set optim.lookahead_every=0 or use ddp"),
+            (o.impl == "fused" and strategy == "fsdp", "optim.impl=fused does not run on fsdp's sharded parameters; use optim.impl=foreach (or auto)"),
+            (o.impl == "fused" and cpu, "optim.impl=fused needs CUDA; use optim.impl=foreach (or auto) on the CPU"),
+            (self.dist.backend == "nccl" and strategy in ("cpu", "single", "dp"),
+             f"dist.backend=nccl needs train.strategy=ddp or fsdp under torchrun, not {strategy}"),
+            (self.dist.backend == "nccl" and cpu, "dist.backend=nccl needs CUDA GPUs and this run is on the CPU; use dist.backend=gloo (or auto)"),
+            (t.param_dtype == "bf16" and no_bf16,
+             "train.param_dtype=bf16 needs bf16 autocast; set train.precision=bf16 (or auto on a GPU), or train.param_dtype=fp32"),
+            *[(t.param_dtype == "bf16" and bad, message) for bad, message in self._bf16_weights_rules(strategy)],
+        ]
+
+    def combination_problem(self, strategy: str | None = None, cuda: bool | None = None) -> str | None:
+        """The first broken rule's error (see :meth:`combination_rules`), or None."""
+        return next((message for bad, message in self.combination_rules(strategy, cuda) if bad), None)
+
     def bf16_weights_problem(self, strategy: str) -> str | None:
-        """Why bf16 working weights cannot work with this config under ``strategy`` (a one-line
-        error naming the fix), or None. train.param_dtype=bf16 raises it; auto falls back to fp32."""
-        t = self.train
-        if t.precision == "fp32":
-            return "train.param_dtype=bf16 needs bf16 autocast; set train.precision=bf16 (or auto on a GPU), or train.param_dtype=fp32"
-        if strategy in ("fsdp", "dp"):
-            hint = "fsdp gathers bf16 weights itself (dist.reduce_dtype)" if strategy == "fsdp" else "DataParallel replicates the module every step"
-            return f"train.param_dtype=bf16 does not work with train.strategy={strategy} ({hint}); set train.param_dtype=fp32 or use ddp"
-        if self.optim.name != "sgd":
-            return "train.param_dtype=bf16 updates its fp32 master weights with SGD only; set optim.name=sgd or train.param_dtype=fp32"
-        if self.optim.lookahead_every:
-            return "train.param_dtype=bf16 does not work with Lookahead (optim.lookahead_every); set optim.lookahead_every=0 or train.param_dtype=fp32"
-        return None
+        """Why bf16 working weights cannot work with this config under ``strategy``, or None.
+        train.param_dtype=bf16 raises it (a rule of :meth:`combination_rules`); auto falls back to fp32."""
+        return next((message for bad, message in self._bf16_weights_rules(strategy) if bad), None)
+
+    def _bf16_weights_rules(self, strategy: str) -> list[tuple[bool, str]]:
+        hint = "fsdp gathers bf16 weights itself (dist.reduce_dtype)" if strategy == "fsdp" else "DataParallel replicates the module every step"
+        return [
+            (strategy in ("fsdp", "dp"), f"train.param_dtype=bf16 does not work with train.strategy={strategy} ({hint}); set train.param_dtype=fp32 or use ddp"),
+            (self.optim.name != "sgd", "train.param_dtype=bf16 updates its fp32 master weights with SGD only; set optim.name=sgd or train.param_dtype=fp32"),
+            (bool(self.optim.lookahead_every),
+             "train.param_dtype=bf16 does not work with Lookahead (optim.lookahead_every); set optim.lookahead_every=0 or train.param_dtype=fp32"),
+        ]
 
 
 # --------------------------------------------------------------------------------------------
@@ -519,8 +523,8 @@ def check_devices(cfg: Config, has_cuda: bool) -> None:
         raise ConfigError(f"train.strategy={t.strategy} needs a CUDA GPU and none is visible; {fix}")
     if t.device == "cuda" and not has_cuda:
         raise ConfigError("train.device=cuda but no CUDA GPU is visible; use train.device=cpu (or auto)")
-    if cfg.dist.backend == "nccl" and (not has_cuda or t.device == "cpu"):
-        raise ConfigError("dist.backend=nccl needs CUDA GPUs and this run is on the CPU; use dist.backend=gloo (or auto)")
+    if problem := cfg.combination_problem(cuda=has_cuda):  # the rules with what auto becomes on this node
+        raise ConfigError(problem)
 
 
 def check_batch(cfg: Config, world_size: int) -> None:

@@ -13,10 +13,11 @@ from __future__ import annotations
 import os
 import re
 import socket
-import sys
 import time
 import traceback
 from pathlib import Path
+
+from trainer.contract import say
 
 LOST = re.compile(r"Connection reset by peer|Connection refused|Connection closed by peer|Broken pipe|Read error|Write error|"
                   r"remote process exited|network error|ncclRemoteError|Socket Timeout|EPIPE|ECONNRESET", re.IGNORECASE)
@@ -108,5 +109,5 @@ def report(error: BaseException, root: Path | None, rank: int, step: int | None,
             f.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} rank {rank} ({socket.gethostname()}) pid {os.getpid()} step {step}\n{text}\n")
         where = str(path)
     except OSError:
-        print(text, file=sys.stderr, flush=True)
+        say(text)
     return f"{describe(error, rank, step, hosts, timeout_s, peers)}; {what_next(root)}; traceback in {where}"

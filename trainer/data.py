@@ -12,11 +12,9 @@ it starts torchrun, and a warm start should not pay torch's import (seconds) in 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import io
 import os
-import sys
 import tarfile
 import tempfile
 import time
@@ -27,6 +25,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from trainer.config import Config, ConfigError
+from trainer.contract import one_line, say
+from trainer.files import flock, replacing
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 PROGRESS_S = 5.0
@@ -73,20 +73,16 @@ def machine_lock(folder: Path, name: str):
     else:  # read-only data volume: lock in the temp folder, keyed by the folder's path
         key = hashlib.sha1(str(folder.resolve()).encode()).hexdigest()[:12]
         lock_path = Path(tempfile.gettempdir()) / f"trainer-{name}-{key}.lock"
-    with open(lock_path, "a+") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+    with open(lock_path, "a+") as fh:  # closing it drops the lock
+        flock(fh.fileno())
+        yield
 
 
 def _save_atomic(obj: dict, path: Path) -> None:
     import torch
 
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    with replacing(path) as tmp:
+        torch.save(obj, tmp)
 
 
 def _cache_folders(cfg: Config) -> list[Path]:
@@ -119,7 +115,7 @@ def _cached(cfg: Config, key: str, build) -> tuple[Split, Split]:
         classes = list(blob["classes"])
         return Split(blob["train_x"], blob["train_y"], classes), Split(blob["test_x"], blob["test_y"], classes)
     except Exception as e:  # noqa: BLE001 - a cut-short or overwritten cache: any load error means the same
-        why = " ".join(str(e).split())[:100]
+        why = one_line(e, 100)
         warnings.warn(f"the data cache {path} is damaged ({e.__class__.__name__}: {why}); decoding the data set again", stacklevel=2)
         with machine_lock(folder, "cache"):
             with contextlib.suppress(FileNotFoundError):
@@ -144,7 +140,7 @@ def _cifar10(cfg: Config) -> tuple[Split, Split]:
                 try:
                     ds = torchvision.datasets.CIFAR10(str(root), train=train, download=cfg.data.download and _writable(root))
                 except Exception as e:  # noqa: BLE001 - offline, read-only, checksum failure...
-                    reason = " ".join(str(e).split())[:120]
+                    reason = one_line(e, 120)
                     raise ConfigError(
                         f"CIFAR-10 is not in data.dir={cfg.data.dir} and could not be downloaded ({reason}); put "
                         f"cifar-10-python.tar.gz there, or use data.name=imagefolder data.dir=PATH (a folder of train/ and test/ class folders or their .tar.gz; "
@@ -201,7 +197,7 @@ def _archive(source: Path):
         with tarfile.open(source, "r:*") as tar:
             yield tar
     except (tarfile.TarError, EOFError, zlib.error, OSError) as e:
-        why = " ".join(str(e).split())[:100] or e.__class__.__name__
+        why = one_line(e, 100) or e.__class__.__name__
         raise ConfigError(f"{source} is not a complete .tar.gz archive ({why}); download or copy it again, "
                           f"or unpack it into {source.parent}/<split>/<class>/") from None
 
@@ -222,11 +218,11 @@ def _decode_folder(source: Path) -> tuple[torch.Tensor, list[str], list[str]]:
 
     images, names, bad = [], [], []
     t0 = last = time.monotonic()
-    print(f"decoding {source} into the uint8 cache (once per data set and machine) ...", file=sys.stderr, flush=True)
+    say(f"decoding {source} into the uint8 cache (once per data set and machine) ...")
     for cls, name, raw in _members(source):
         if time.monotonic() - last >= PROGRESS_S:  # a line every few seconds: 25 s of silence looks like a hang
             last = time.monotonic()
-            print(f"  decoded {len(images):,} images in {last - t0:.0f} s", file=sys.stderr, flush=True)
+            say(f"  decoded {len(images):,} images in {last - t0:.0f} s")
         try:
             with Image.open(io.BytesIO(raw)) as im:
                 im = im.convert("RGB")
@@ -239,7 +235,7 @@ def _decode_folder(source: Path) -> tuple[torch.Tensor, list[str], list[str]]:
     if bad:
         more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
         warnings.warn(f"skipped {len(bad)} unreadable image(s): {', '.join(bad[:3])}{more}", stacklevel=2)
-    print(f"  decoded {len(images):,} images of {source.name} in {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
+    say(f"  decoded {len(images):,} images of {source.name} in {time.monotonic() - t0:.1f} s")
     if not images and bad:
         raise ConfigError(f"{source}: none of its {len(bad)} image files could be decoded (first: {bad[0]}); replace them with readable images")
     if not images:

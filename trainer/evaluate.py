@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from trainer import checkpoint, data, models
 from trainer.config import Config, from_dict, load_config
 from trainer.data import Split
-from trainer.dist import Runtime, all_reduce_sum, setup, teardown
 from trainer.loader import Augment, eval_batches
+from trainer.runtime import Runtime, all_reduce_sum, setup, teardown
 
 
 @torch.no_grad()
@@ -52,7 +52,7 @@ def evaluate(model: torch.nn.Module, split: Split, cfg: Config, rt: Runtime, aug
 def evaluate_checkpoint(path: str, config_file: str | None, overrides) -> tuple[str, float, float, int]:
     """(checkpoint, test loss, test accuracy, test images) of the checkpoint at ``path`` (a step-N
     folder, its state.pt, or a run folder: then its newest complete checkpoint)."""
-    from trainer.setup import Fast
+    from trainer.run import Fast
 
     folder = Path(path)
     if folder.is_dir() and not (folder / checkpoint.STATE).exists() and (newest := checkpoint.newest_complete(folder)) is not None:

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from trainer.config import Config
 from trainer.data import CIFAR_MEAN, CIFAR_STD, Split
-from trainer.dist import Runtime
+from trainer.runtime import Runtime
 
 
 class ShardSampler(DistributedSampler):

@@ -1,6 +1,6 @@
 """The training loop: ``Trainer.fit()`` over ``train_epoch()``, ``train_step()``, ``evaluate()`` and
 ``save()``. Everything around it (config, process group, data, checkpoints) is built by
-trainer/setup.py and handed in as a :class:`Run`."""
+trainer/run.py and handed in as a :class:`Run`."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from torch.profiler import record_function
 
 from trainer import compile_cache, parallel
 from trainer.config import to_yaml
-from trainer.dist import all_reduce_sum, barrier
+from trainer.contract import EXIT_PREEMPTED, stopped_by_torchrun
 from trainer.evaluate import evaluate
+from trainer.faults import crash_point
 from trainer.metrics import StepProfiler, StepTimer, Stragglers, plot_curves, since_command
-from trainer.setup import Run
-from trainer.stop import crash_point
-from trainer.supervisor import EXIT_PREEMPTED, stopped_by_torchrun
+from trainer.run import Run
+from trainer.runtime import all_reduce_sum, barrier
 
 
 class LogWindow:

@@ -16,8 +16,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trainer.dist import Runtime
-from trainer.supervisor import COMMAND_START_ENV
+from trainer.contract import COMMAND_START_ENV
+from trainer.files import replacing
+from trainer.runtime import Runtime
 
 
 def since_command() -> float | None:
@@ -377,8 +378,7 @@ def plot_curves(log: RunLog, png: Path) -> Path | None:
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    tmp = png.with_name(f".{png.name}.tmp.png")
-    fig.savefig(tmp, dpi=100)
+    with replacing(png) as tmp:
+        fig.savefig(tmp, dpi=100, format="png")
     plt.close(fig)
-    tmp.replace(png)
     return png

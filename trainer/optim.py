@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from trainer.config import Config, ConfigError
+from trainer.config import Config
 
 
 def param_groups(model: nn.Module, cfg: Config) -> list[dict]:
@@ -30,10 +30,6 @@ def impl_kwargs(impl: str, cuda: bool) -> dict:
 
 def build_optimizer(model: nn.Module, cfg: Config, cuda: bool, sharded: bool = False, masters: MasterWeights | None = None) -> torch.optim.Optimizer:
     o = cfg.optim
-    if o.impl == "fused" and not cuda:
-        raise ConfigError("optim.impl=fused needs CUDA; use optim.impl=foreach (or auto) on the CPU")
-    if o.impl == "fused" and sharded:
-        raise ConfigError("optim.impl=fused does not run on fsdp's sharded parameters; use optim.impl=foreach (or auto)")
     kw = impl_kwargs("foreach" if sharded and o.impl == "auto" else o.impl, cuda)
     groups = param_groups(model, cfg)
     if o.name == "sgd":

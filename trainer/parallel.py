@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from trainer.config import Config
-from trainer.dist import Runtime
 from trainer.models import unwrap
+from trainer.runtime import Runtime
 
 
 class WithLoss(nn.Module):

@@ -14,6 +14,10 @@ round's participants by the others' next sync, even when nothing failed (a cable
 off: the workers would wait in a collective until the hang watchdog or the collective timeout).
 This node's workers are then stopped at once, so that torchrun re-forms the group from the
 newest checkpoint: without that node when the job is elastic, else waiting for it.
+
+Here too: torchrun's arguments as the job reads them (an option, --rdzv-conf, the config of its
+``-m trainer train``), the rendezvous settings a cluster job needs where not given
+(:func:`with_rdzv_defaults`), and the one line for a rendezvous that could not form.
 """
 
 from __future__ import annotations
@@ -22,11 +26,17 @@ import base64
 import functools
 import os
 import pickle
+import re
 import socket
-import sys
 import threading
 import time
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+from trainer.config import load_config, node_range
+from trainer.contract import EXIT_CRASH, EXIT_DIR_ENV
+from trainer.procs import has_children, kill_children
 
 POLL_S = 2.0
 FIRST_REPORT_S = 10.0
@@ -36,12 +46,119 @@ KEEPALIVE_CHECK_S = 5.0
 STALE_HEARTBEAT_S = 15.0
 """A node whose keep-alive in the state is older than this is gone (the rendezvous drops it after keep_alive_max_attempt
 missed keep-alives: 3 x 5 s by default)."""
+ELASTIC_LAST_CALL_S = 5
+"""An elastic group re-forms this long after its MIN nodes are back (torchrun's default: 30 s)."""
+ELASTIC_KEEP_ALIVE_S = 3
+"""Seconds between an elastic job's rendezvous keep-alives (torchrun's default: 5 s)."""
 
 
-def _has_workers(pid: int) -> bool | None:
-    from trainer.supervisor import _has_children
+def training_config(torchrun_args: list[str]) -> Any:
+    """The config of ``-m trainer train ...`` in torchrun's arguments, or None (another module, or
+    bad input that the workers will report in their own words)."""
+    try:
+        i = next(i for i in range(len(torchrun_args) - 2) if torchrun_args[i:i + 3] == ["-m", "trainer", "train"])
+        rest = torchrun_args[i + 3:]
+        config_file = next((rest[j + 1] for j, a in enumerate(rest[:-1]) if a in ("--config", "-c")), None)
+        config_file = next((a.split("=", 1)[1] for a in rest if a.startswith("--config=")), config_file)
+        overrides = [a for j, a in enumerate(rest) if "=" in a and not a.startswith("-") and (j == 0 or rest[j - 1] not in ("--config", "-c"))]
+        return load_config(config_file, overrides)
+    except Exception:  # noqa: BLE001
+        return None
 
-    return _has_children(pid)
+
+def option(argv: list[str], name: str, default: str = "") -> str:
+    """A torchrun option's value, spelt --name=V, --name V, or with underscores; else, as torchrun
+    reads it, from PET_NAME in the environment (what the Kubeflow operators set: PET_NNODES ...)."""
+    names = {f"--{name}", f"--{name.replace('-', '_')}"}
+    for i, a in enumerate(argv):
+        key, eq, value = a.partition("=")
+        if key in names:
+            return value if eq else (argv[i + 1] if i + 1 < len(argv) else default)
+    return os.environ.get("PET_" + name.upper().replace("-", "_"), default)
+
+
+def endpoint(argv: list[str]) -> str:
+    """--rdzv-endpoint, or torchrun's default."""
+    return option(argv, "rdzv-endpoint") or "127.0.0.1:29400"
+
+
+def rdzv_conf(argv: list[str]) -> dict[str, str]:
+    """torchrun's --rdzv-conf K=V,K=V as a dict."""
+    return dict(kv.split("=", 1) for kv in option(argv, "rdzv-conf").split(",") if "=" in kv)
+
+
+def with_rdzv_defaults(argv: list[str]) -> list[str]:
+    """torchrun's arguments with rendezvous settings that suit a cluster job, where not given:
+
+    - read_timeout = join_timeout: c10d store reads that wait as long as the rendezvous does. With
+      the default 60 s, a read that times out on a cut link leaves the agent's store connection out
+      of step: when the link comes back, the agent fails and closes the rendezvous for every node,
+      so a cut over a minute would end the job.
+    - for an elastic range (--nnodes MIN:MAX): last_call_timeout = ELASTIC_LAST_CALL_S, so that once
+      MIN nodes are back after a node is lost the group re-forms that much later instead of torchrun's
+      30 s (a node that comes later joins at the next re-form); keep_alive_interval =
+      ELASTIC_KEEP_ALIVE_S, so that a lost node is dropped from the rendezvous after 3 missed
+      keep-alives, 9 s instead of 15 s (one small store write per node that often)."""
+    if option(argv, "rdzv-backend") != "c10d":
+        return argv
+    conf = rdzv_conf(argv)
+    wanted = {"read_timeout": conf.get("join_timeout", "600")}
+    if ":" in option(argv, "nnodes", "1"):
+        wanted.update(last_call_timeout=str(ELASTIC_LAST_CALL_S), keep_alive_interval=str(ELASTIC_KEEP_ALIVE_S))
+    if all(k in conf for k in wanted):
+        return argv
+    conf = {**conf, **{k: v for k, v in wanted.items() if k not in conf}}
+    out, i = [], 0
+    while i < len(argv):  # drop the given --rdzv-conf; the merged one goes first, among torchrun's options
+        key, eq, _ = argv[i].partition("=")
+        if key in ("--rdzv-conf", "--rdzv_conf"):
+            i += 1 if eq else 2
+            continue
+        out.append(argv[i])
+        i += 1
+    return [f"--rdzv-conf={','.join(f'{k}={v}' for k, v in conf.items())}", *out]
+
+
+def where_lost(argv: list[str]) -> str:
+    """'at step N (the job resumes from step-M)' from what the workers said when they failed and
+    the run folder, as far as they tell."""
+    steps = []
+    folder = os.environ.get(EXIT_DIR_ENV)
+    for p in Path(folder).glob("[0-9]*-*") if folder else []:
+        try:
+            steps += [int(m) for m in re.findall(r" (?:at|after) step (\d+)", p.read_text())]
+        except OSError:
+            continue
+    from trainer.checkpoint import newest_complete  # torchrun's process: torch is imported already
+
+    cfg = training_config(argv)
+    found = newest_complete(Path(cfg.checkpoint.dir)) if cfg else None
+    at = f"at step {max(steps)}" if steps else "during training"
+    return f"{at} (the job resumes from {found.name})" if found else at
+
+
+def rendezvous_failure(argv: list[str], error: BaseException, left: list[str] | None = None) -> str:
+    """One line for a rendezvous that could not form: what happened, where, and the fix. ``left``:
+    nodes of the last group that did not come back (trainer/rendezvous.py saw them go)."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousTimeoutError
+
+    at = endpoint(argv)
+    nodes, job = option(argv, "nnodes", "1"), option(argv, "rdzv-id", "none")
+    conf = rdzv_conf(argv)
+    if isinstance(error, RendezvousTimeoutError) and left:
+        return (f"torchrun: {', '.join(left)}, lost {where_lost(argv)}, did not come back to the rendezvous at {at} "
+                f"(id {job}) within {conf.get('join_timeout', '600')} s: start the same command there again, or run elastic "
+                f"(--nnodes MIN:{nodes.split(':')[-1]}) so that the nodes left go on; exit {EXIT_CRASH} so that the scheduler retries "
+                "from the newest checkpoint")
+    if isinstance(error, RendezvousTimeoutError):
+        return (f"torchrun: the rendezvous at {at} (id {job}) did not gather {nodes} nodes within "
+                f"{conf.get('join_timeout', '600')} s: start the same command on every node (same --rdzv-id, and "
+                f"--rdzv-endpoint reachable from each), or wait longer with --rdzv-conf join_timeout=SECONDS")
+    if isinstance(error, RendezvousClosedError):
+        return (f"torchrun: the rendezvous at {at} (id {job}) was closed: the job ended on another node; "
+                "start every node again (with a new --rdzv-id if the old job's nodes are gone)")
+    return (f"torchrun: cannot reach the rendezvous at {at} (id {job}): {error or type(error).__name__}; check that "
+            "the first node runs and that this node reaches it at that address and port")
 
 
 class Reporter:
@@ -49,10 +166,8 @@ class Reporter:
         host, _, port = endpoint.rpartition(":")
         self.host, self.port = host or endpoint, int(port or 29400)
         self.endpoint, self.run_id, self.join_timeout_s = endpoint, run_id, join_timeout_s
-        from trainer.config import node_range
-
         self.min_nodes, self.max_nodes = node_range(nnodes)
-        self.say = say or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.say = say or (lambda line: say(line))
         self.members: list[str] = []
         """The nodes of the group that ran last (host names)."""
         self.left: list[str] = []
@@ -65,12 +180,10 @@ class Reporter:
 
     @classmethod
     def for_args(cls, argv: list[str]) -> Reporter | None:
-        from trainer.supervisor import _endpoint, _option, rdzv_conf
-
-        nnodes = _option(argv, "nnodes", "1")
-        if _option(argv, "rdzv-backend") != "c10d" or nnodes.split(":")[-1] in ("", "1"):
+        nnodes = option(argv, "nnodes", "1")
+        if option(argv, "rdzv-backend") != "c10d" or nnodes.split(":")[-1] in ("", "1"):
             return None
-        return cls(_endpoint(argv), _option(argv, "rdzv-id", "none"), nnodes, float(rdzv_conf(argv).get("join_timeout", 600)))
+        return cls(endpoint(argv), option(argv, "rdzv-id", "none"), nnodes, float(rdzv_conf(argv).get("join_timeout", 600)))
 
     def start(self) -> Reporter:
         self._thread = threading.Thread(target=self._run, name="rendezvous-reporter", daemon=True)
@@ -109,7 +222,7 @@ class Reporter:
         waiting_since, said, checked = None, 0.0, time.monotonic()
         while not self._stop.wait(POLL_S):
             try:
-                workers = _has_workers(os.getpid())
+                workers = has_children(os.getpid())
                 if workers is None:
                     return  # no /proc to tell: say nothing rather than guess
                 if workers:
@@ -125,8 +238,7 @@ class Reporter:
                 waiting_since = waiting_since or now
                 waited = now - waiting_since
                 if waited >= FIRST_REPORT_S and now - said >= REPORT_EVERY_S:
-                    line = self.waiting_line(waited)
-                    if line:
+                    if line := self.waiting_line(waited):
                         self.say(line)
                         said = now
             except Exception:  # noqa: BLE001 - a store that does not answer: the supervisor's own watch acts on that
@@ -155,8 +267,6 @@ class Reporter:
         lost, self._missing = sorted(missing & self._missing), missing  # missing at two checks in a row: not a node between two steps of its own
         if not lost:
             return
-        from trainer.supervisor import kill_children
-
         self.say(f"torchrun: {', '.join(lost)} dropped out of the rendezvous (its keep-alive stopped: lost or cut off) while the "
                  "group trained: stopping this node's workers so that the group re-forms from the newest checkpoint")
         kill_children(os.getpid())

@@ -24,8 +24,9 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 import time
+
+from trainer.contract import EXIT_PREEMPTED, EXIT_USAGE, say
 
 SUPERVISE_ENV = "TRAINER_SLURM_SUPERVISE"
 MARGIN_ENV = "TRAINER_SLURM_MARGIN_S"
@@ -70,8 +71,7 @@ def parse_time_left(text: str) -> float | None:
     heterogeneous job prints one per component); None where no line is a time (UNLIMITED, NOT_SET)."""
     left = []
     for line in text.split():
-        m = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)", line)
-        if m:
+        if m := re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)", line):
             days, hours, minutes, seconds = (int(g or 0) for g in m.groups())
             left.append(float(((days * 24 + hours) * 60 + minutes) * 60 + seconds))
     return min(left) if left else None
@@ -87,8 +87,8 @@ class TimeLimit:
         self.at: float | None = None
         self.reached = False
         if left is not None and left <= self.margin_s:
-            print(f"slurm: job {_job()} has {left:.0f} s left, within the {self.margin_s:.0f} s margin ({MARGIN_ENV}): "
-                  "it will not stop to save before its time limit", file=sys.stderr, flush=True)
+            say(f"slurm: job {_job()} has {left:.0f} s left, within the {self.margin_s:.0f} s margin ({MARGIN_ENV}): "
+                "it will not stop to save before its time limit")
         elif left is not None:
             self.at = time.monotonic() + left - self.margin_s
 
@@ -114,18 +114,16 @@ def after(code: int, limit: TimeLimit | None) -> None:
     only once the checkpoint is on disk, and TorchX's ``srun --kill-on-bad-exit=1`` kills the other
     tasks as soon as one exits 75, so the first task may never get to ask. The first request
     requeues the job (and ends every step); a later one finds it requeued and says nothing."""
-    from trainer.supervisor import EXIT_PREEMPTED, EXIT_USAGE  # here: the supervisor imports this module
-
     job = _job()
     if code == EXIT_USAGE:
         if _slurm("scontrol", "update", f"JobId={job}", "Requeue=0") is not None:
-            print(f"slurm: job {job} had bad input: it is no longer requeueable (fix the input and submit again)", file=sys.stderr, flush=True)
+            say(f"slurm: job {job} had bad input: it is no longer requeueable (fix the input and submit again)")
         return
     if code != EXIT_PREEMPTED or not ((limit is not None and limit.reached) or preempted()):
         return
-    print(f"slurm: requeueing job {job}; it resumes from the checkpoint just saved", file=sys.stderr, flush=True)
+    say(f"slurm: requeueing job {job}; it resumes from the checkpoint just saved")
     if _slurm("scontrol", "requeue", job) is None and not requeued(job):
-        print(f"slurm: job {job} could not be requeued (cancelled?): it stays stopped, exit 75", file=sys.stderr, flush=True)
+        say(f"slurm: job {job} could not be requeued (cancelled?): it stays stopped, exit 75")
 
 
 def requeued(job: str) -> bool:

@@ -1,5 +1,7 @@
-"""Stopping on signals, and the crash points the fault-injection tests use (the exit codes live in
-trainer/supervisor.py).
+"""A worker's signals: SIGTERM, SIGUSR1, SIGINT and SIGHUP stop it after a step that every rank
+agrees on, with a checkpoint of that step (exit 75: trainer/contract.py); a second SIGINT stops at
+once. (The launcher's signals: trainer/supervisor.py; torchrun's: trainer/torchrun.py; a Slurm
+batch script's: slurm/steps.sh.)
 
 Preemption reaches a worker as SIGTERM (Kubernetes eviction, ``docker stop``, ``scancel``; the
 supervisor passes SIGTERM, SIGINT and SIGHUP to torchrun, which passes them to its workers, and
@@ -13,58 +15,15 @@ finished, so the agreement never makes the host wait for the GPU.
 
 from __future__ import annotations
 
-import functools
-import os
 import signal
-import time
 from collections import deque
 
 import torch
 import torch.distributed as dist
 
-from trainer.dist import Runtime
+from trainer.runtime import Runtime
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
-
-
-def crash_point(name: str, step: int | None = None) -> None:
-    """Fault injection for the tests, off unless TRAINER_FAULT names this point.
-
-    TRAINER_FAULT="POINT[@STEP]:ACTION" with ACTION ``kill`` (SIGKILL this process),
-    ``sleep=SECONDS`` (a read or write that blocks) or ``slow=SECONDS`` (every time, a straggler).
-    Points: ``batch`` (before a training step reads its batch) and ``before-rename`` (a checkpoint
-    written, not yet published). It acts on rank TRAINER_FAULT_RANK (default 0) and, but for
-    ``slow``, only on the first attempt (torchrun's TORCHELASTIC_RESTART_COUNT=0), so a restarted
-    group runs through.
-    """
-    fault = _fault()
-    if fault is None:
-        return
-    point, at, action = fault
-    if point != name or (at is not None and step is not None and at != step):
-        return
-    if os.environ.get("RANK", "0") != os.environ.get("TRAINER_FAULT_RANK", "0"):
-        return
-    if action.startswith("slow="):
-        time.sleep(float(action.split("=", 1)[1]))
-        return
-    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return
-    if action.startswith("sleep="):
-        time.sleep(float(action.split("=", 1)[1]))
-        return
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-@functools.cache
-def _fault() -> tuple[str, int | None, str] | None:
-    """TRAINER_FAULT parsed once (crash_point runs every step)."""
-    spec = os.environ.get("TRAINER_FAULT")
-    if not spec:
-        return None
-    where, _, action = spec.partition(":")
-    point, _, at = where.partition("@")
-    return point, int(at) if at else None, action
 
 
 class StopFlag:

@@ -1,10 +1,5 @@
-"""The exit status contract, kept at the process each launcher watches.
-
-    0   finished
-    75  stopped on a signal after saving a checkpoint of that step: run the same command to resume
-    2   bad input (config, data, a checkpoint of another model, a run folder held by another run):
-        do not retry, fix the input
-    anything else: a crash (restart it; the run resumes from its newest complete checkpoint)
+"""Keeps the exit status contract (trainer/contract.py: 0 finished, 75 stopped after saving, 2 bad
+input, anything else a crash) at the process each launcher watches.
 
 A worker alone keeps it (``python -m trainer train`` exits with these codes). Under torchrun it
 does not: a signalled torchrun raises ``SignalException`` and exits 1 whatever its workers did, and
@@ -44,7 +39,6 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import re
 import shutil
 import signal
 import socket
@@ -53,20 +47,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
-from trainer import slurm
-
-EXIT_OK = 0
-EXIT_USAGE = 2
-"""Bad config, bad input or a checkpoint that cannot be used: nothing was changed; do not retry."""
-EXIT_PREEMPTED = 75
-"""Stopped by a signal after saving a checkpoint of the last finished step (EX_TEMPFAIL): run the
-same command again to resume."""
-EXIT_CRASH = 1
-EXIT_HUNG = 124
-"""A worker's hang watchdog gave up on it (no progress within dist.hang_timeout_s; trainer/watchdog.py):
-a crash, restarted like one; 124 as timeout(1) exits."""
+from trainer import contract, slurm
+from trainer.contract import EXIT_CRASH, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE, say
+from trainer.procs import has_children, process_state
+from trainer.rendezvous import endpoint, option, rdzv_conf, training_config, with_rdzv_defaults
 
 EXIT_POLICY_ENV = "TRAINER_EXIT_POLICY"
 """``exitcode``: the codes for a launcher that retries 128-255 only (see the module docstring)."""
@@ -78,17 +63,8 @@ CRASHES_FOLDER = ".crashes"
 """In checkpoint.dir: one small record per node (its host name) of its crashes since the newest
 checkpoint."""
 
-EXIT_DIR_ENV = "TRAINER_EXIT_DIR"
 SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-COMMAND_START_ENV = "TRAINER_COMMAND_START"
-"""When the command started (time.time()): the first step's record reports the seconds since."""
 FORWARDED = {signal.SIGTERM: signal.SIGTERM, signal.SIGINT: signal.SIGINT, signal.SIGHUP: signal.SIGHUP, signal.SIGUSR1: signal.SIGTERM}
-PR_SET_PDEATHSIG = 1
-
-
-def stamp_command_start() -> None:
-    """Note when the command started, unless a launcher further out did (slurm/steps.sh)."""
-    os.environ.setdefault(COMMAND_START_ENV, repr(time.time()))
 
 
 def gpu_count() -> int:
@@ -119,55 +95,6 @@ def writable_home() -> None:
     os.environ["HOME"] = str(fallback)
 
 
-def die_with_parent(sig: int = signal.SIGKILL) -> None:
-    """Ask the kernel to send ``sig`` to this process when its parent dies (Linux; a no-op
-    elsewhere). Called in torchrun's workers and, through ``preexec_fn``, in torchrun."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
-
-
-def supervised() -> bool:
-    """True in a worker that ``supervise`` started (it reports errors for the workers)."""
-    return bool(os.environ.get(EXIT_DIR_ENV))
-
-
-def record_exit(code: int, message: str = "") -> None:
-    """A worker's exit code and its error line, for the supervisor (no-op outside ``supervise``)."""
-    folder = os.environ.get(EXIT_DIR_ENV)
-    if not folder:
-        return
-    # one group of workers: torchrun's restart count, and the store port of its rendezvous round (a
-    # re-form of an elastic group keeps the count; each round's store is new)
-    name = f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}.{os.environ.get('MASTER_PORT', '0')}-{os.environ.get('RANK', '0')}"
-    try:
-        tmp = Path(folder) / f".{name}.tmp"
-        tmp.write_text(f"{code}\n{message}")
-        tmp.replace(Path(folder) / name)
-    except OSError:
-        pass
-
-
-EXIT_RUNNING = -1
-"""What a worker records when it starts: a group whose records still say so at the end was killed."""
-SIGNALLED = "signalled"
-"""A file in the exit folder: the supervisor passed a signal on (a stop without it is torchrun's own)."""
-
-
-def record_start() -> None:
-    record_exit(EXIT_RUNNING)
-
-
-def stopped_by_torchrun() -> bool:
-    """True in a supervised worker stopped by torchrun itself (a re-form of an elastic group: a node
-    joined or left), not by a signal to the job."""
-    folder = os.environ.get(EXIT_DIR_ENV)
-    return bool(folder) and not (Path(folder) / SIGNALLED).exists()
-
-
 def _records(folder: Path) -> list[tuple[int, str]]:
     """(exit code, error line) of each worker of the newest group (the one that wrote last)."""
     found: dict[str, list[tuple[int, str]]] = {}
@@ -196,9 +123,8 @@ def _usage_message(folder: Path) -> str:
 def _say_usage_error(folder: Path) -> None:
     """The workers' bad-input line, once: a worker that fails first may take the others down before
     they print (torchrun stops the group), so the supervisor, not rank 0, says it."""
-    message = _usage_message(folder)
-    if message:
-        print(message, file=sys.stderr, flush=True)
+    if message := _usage_message(folder):
+        say(message)
 
 
 HEARTBEAT_MARGIN_S = 10.0
@@ -234,7 +160,7 @@ def kill_hung_workers(folder: Path, margin_s: float = HEARTBEAT_MARGIN_S) -> lis
         if age <= info["bound_s"] + margin_s:
             continue
         hb.unlink(missing_ok=True)  # once per worker
-        state = _process_state(info["pid"])
+        state = process_state(info["pid"])
         if state is None or state.startswith(("Z", "X")):
             continue  # gone already, or exited and not yet reaped by torchrun (its attempt is ending)
         line = (f"trainer torchrun: rank {info['rank']} (pid {info['pid']}, state {state}) has made no progress for {age:.0f} s "
@@ -249,15 +175,11 @@ def kill_hung_workers(folder: Path, margin_s: float = HEARTBEAT_MARGIN_S) -> lis
             os.kill(info["pid"], signal.SIGKILL)
         except ProcessLookupError:
             continue
-        print(line, file=sys.stderr, flush=True)
+        say(line)
         said.append(line)
     return said
 
 
-ELASTIC_LAST_CALL_S = 5
-"""An elastic group re-forms this long after its MIN nodes are back (torchrun's default: 30 s)."""
-ELASTIC_KEEP_ALIVE_S = 3
-"""Seconds between an elastic job's rendezvous keep-alives (torchrun's default: 5 s)."""
 LOST_RENDEZVOUS_MARGIN_S = 60.0
 """Past the longest legitimate wait of an agent without workers (its rendezvous' join_timeout)."""
 
@@ -271,12 +193,12 @@ class LostRendezvous:
     def __init__(self, torchrun_args: list[str], pid: int):
         self.join_s = float(rdzv_conf(torchrun_args).get("join_timeout", 600))
         self.bound_s = self.join_s + LOST_RENDEZVOUS_MARGIN_S
-        self.endpoint = _endpoint(torchrun_args)
+        self.endpoint = endpoint(torchrun_args)
         self.pid, self.since = pid, time.monotonic()
 
     def check(self) -> str:
         """'' while all is well; else the line to say before ending torchrun."""
-        workers = _has_children(self.pid)
+        workers = has_children(self.pid)
         if workers is None or workers:  # None: no /proc to tell (not Linux): never act on a guess
             self.since = time.monotonic()
             return ""
@@ -286,51 +208,6 @@ class LostRendezvous:
         return (f"trainer torchrun: no worker has run on this node for {idle:.0f} s and torchrun still waits on the rendezvous "
                 f"at {self.endpoint} (join_timeout {self.join_s:.0f} s): the first node is unreachable or gone; "
                 f"exiting {EXIT_CRASH} so that the scheduler starts the job again")
-
-
-def _children(pid: int) -> list[int] | None:
-    """The process's children from /proc (exited ones it has not reaped included); None if /proc
-    cannot say (not Linux, or a kernel without CONFIG_PROC_CHILDREN)."""
-    tasks = Path(f"/proc/{pid}/task")
-    files = list(tasks.glob("*/children")) if tasks.is_dir() else []
-    if not files:
-        return None
-    children: list[int] = []
-    for f in files:
-        try:
-            children += [int(c) for c in f.read_text().split()]
-        except OSError:
-            continue
-    return children
-
-
-def _has_children(pid: int) -> bool | None:
-    """Whether the process has a live child now (exited ones it has not reaped do not count: a
-    blocked agent never reaps its dead worker); None if /proc cannot say."""
-    children = _children(pid)
-    if children is None:
-        return None
-    return any(not (_process_state(c) or "Z").startswith(("Z", "X")) for c in children)
-
-
-def kill_children(pid: int) -> None:
-    """SIGKILL every child of ``pid`` (torchrun's workers): torchrun then restarts its group."""
-    for c in _children(pid) or []:
-        try:
-            os.kill(c, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def _process_state(pid: int) -> str | None:
-    """The state letter and name from /proc (T (stopped), D (disk sleep), ...), or None if gone."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("State:"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        return None
-    return "?"
 
 
 def verdict(torchrun_code: int, codes: list[int]) -> int:
@@ -385,38 +262,22 @@ def for_launcher(code: int, torchrun_args: list[str], policy: str) -> int:
     if policy != "exitcode" or code in (EXIT_OK, EXIT_USAGE) or code >= RETRYABLE:
         return code
     if code != EXIT_PREEMPTED:
-        cfg = _training_config(torchrun_args)
+        cfg = training_config(torchrun_args)
         limit = int(os.environ.get("TRAINER_CRASHES_WITHOUT_PROGRESS", CRASHES_WITHOUT_PROGRESS))
         host = os.environ.get("HOSTNAME") or socket.gethostname()  # a pod's name (the kubelet sets HOSTNAME)
         if cfg is not None:
             crashes, step = crash_budget(Path(cfg.checkpoint.dir), host, limit)
             if crashes >= limit:
                 since = f"since {step} was saved" if step else "before any checkpoint"
-                print(f"{host}: {crashes} crashes in a row {since}, no progress: exit {EXIT_CRASH}, a final failure of the job; "
-                      "the tracebacks are in the run folder (error-rank*.txt): fix the cause and submit again (the job resumes from its newest "
-                      "checkpoint)", file=sys.stderr, flush=True)
+                say(f"{host}: {crashes} crashes in a row {since}, no progress: exit {EXIT_CRASH}, a final failure of the job; "
+                    "the tracebacks are in the run folder (error-rank*.txt): fix the cause and submit again (the job resumes from its newest "
+                    "checkpoint)")
                 return EXIT_CRASH
     return RETRYABLE + code
 
 
 BYTECODE = "compile-cache/python-bytecode"
 CUDA_JIT = "compile-cache/cuda-jit"
-
-
-def _training_config(torchrun_args: list[str]) -> Any:
-    """The config of ``-m trainer train ...`` in torchrun's arguments, or None (another module, or
-    bad input that the workers will report in their own words)."""
-    try:
-        i = next(i for i in range(len(torchrun_args) - 2) if torchrun_args[i:i + 3] == ["-m", "trainer", "train"])
-        rest = torchrun_args[i + 3:]
-        config_file = next((rest[j + 1] for j, a in enumerate(rest[:-1]) if a in ("--config", "-c")), None)
-        config_file = next((a.split("=", 1)[1] for a in rest if a.startswith("--config=")), config_file)
-        overrides = [a for j, a in enumerate(rest) if "=" in a and not a.startswith("-") and (j == 0 or rest[j - 1] not in ("--config", "-c"))]
-        from trainer.config import load_config
-
-        return load_config(config_file, overrides)
-    except Exception:  # noqa: BLE001
-        return None
 
 
 def node_cache_env(torchrun_args: list[str], probe: str = "torch") -> dict[str, str]:
@@ -434,7 +295,7 @@ def node_cache_env(torchrun_args: list[str], probe: str = "torch") -> dict[str, 
       Python sources again, 8 s of a warm worker on an H200 node, 2 s of torchrun's."""
     import importlib.util
 
-    cfg = _training_config(torchrun_args)
+    cfg = training_config(torchrun_args)
     if cfg is None or not cfg.model.compile_cache:
         return {}
     root = Path(cfg.checkpoint.dir).resolve()
@@ -457,12 +318,12 @@ def _watch(proc: subprocess.Popen, exit_dir: Path, watch: LostRendezvous, limit:
             pass
         kill_hung_workers(exit_dir)
         if limit is not None and (line := limit.check()):
-            print(line, file=sys.stderr, flush=True)
-            (exit_dir / SIGNALLED).touch()  # the job's stop (its time limit), not a re-form of the group
+            say(line)
+            (exit_dir / contract.SIGNALLED).touch()  # the job's stop (its time limit), not a re-form of the group
             proc.send_signal(signal.SIGTERM)
         lost = watch.check()
         if lost:
-            print(lost, file=sys.stderr, flush=True)
+            say(lost)
             proc.kill()  # it has no worker left to stop
             proc.wait()
             return EXIT_CRASH, False
@@ -474,15 +335,11 @@ def _watch(proc: subprocess.Popen, exit_dir: Path, watch: LostRendezvous, limit:
             return proc.wait(), True
 
 
-MOUNTS_ENV = "TRAINER_MOUNTS"
-"""``dst=volume`` pairs (``;``-separated) a launcher mounted for the job (the TorchX components)."""
-
-
 def missing_mount() -> str | None:
     """The one-line error for a volume the job was given that is not mounted: TorchX's Slurm and
     local schedulers drop an AppDef's mounts without a word (the folder is then no mount point),
     and the job would write its checkpoints to a folder of the node, which dies with it."""
-    for pair in filter(None, os.environ.get(MOUNTS_ENV, "").split(";")):
+    for pair in filter(None, os.environ.get(contract.MOUNTS_ENV, "").split(";")):
         dst, _, volume = pair.partition("=")
         if not os.path.ismount(dst):
             return (f"error: the volume {volume} was to be mounted at {dst}, and nothing is mounted there: this scheduler mounts "
@@ -491,13 +348,9 @@ def missing_mount() -> str | None:
     return None
 
 
-NNODES_ENV = "TRAINER_NNODES"
-"""The job's --nnodes (N or MIN:MAX), for the workers' own check of every world size it may take."""
-
-
 def processes_per_node(argv: list[str]) -> int:
     """torchrun's --nproc-per-node as a number (gpu and auto count this node's GPUs, as torchrun does)."""
-    value = _option(argv, "nproc-per-node", "1")
+    value = option(argv, "nproc-per-node", "1")
     if value.isdigit():
         return int(value)
     gpus = gpu_count()
@@ -509,8 +362,8 @@ def world_range_problem(argv: list[str]) -> str | None:
     global batch: found here, before any node starts, not when a node joins mid-run."""
     from trainer.config import ConfigError, check_world_range
 
-    nnodes = _option(argv, "nnodes", "1")
-    cfg = _training_config(argv) if ":" in nnodes else None
+    nnodes = option(argv, "nnodes", "1")
+    cfg = training_config(argv) if ":" in nnodes else None
     if cfg is None:
         return None
     try:
@@ -534,9 +387,9 @@ def _error_file(message: str) -> None:
 def supervise(torchrun_args: list[str], poll_s: float = 0.5) -> int:
     """Run ``torchrun ARGS`` and return the contract's exit code (see the module docstring)."""
     if warning := slurm.cpu_shortfall():
-        print(warning, file=sys.stderr, flush=True)
+        say(warning)
     if (error := missing_mount() or slurm.margin_problem() or exit_policy_problem() or world_range_problem(torchrun_args)) is not None:
-        print(error, file=sys.stderr, flush=True)
+        say(error)
         _error_file(error)
         if slurm.supervising():
             slurm.after(EXIT_USAGE, None)
@@ -544,12 +397,12 @@ def supervise(torchrun_args: list[str], poll_s: float = 0.5) -> int:
     exit_dir = Path(tempfile.mkdtemp(prefix="trainer-exit-"))
     # torchrun's restarts would reuse the c10d rendezvous store, whose stale keys from the failed
     # attempt make the new group connect to dead ranks (pytorch issue 167288): a fresh store each time
-    env = {SHARED_STORE_ENV: "1", **os.environ, EXIT_DIR_ENV: str(exit_dir), NNODES_ENV: _option(torchrun_args, "nnodes", "1"),
+    env = {SHARED_STORE_ENV: "1", **os.environ, contract.EXIT_DIR_ENV: str(exit_dir), contract.NNODES_ENV: option(torchrun_args, "nnodes", "1"),
            **node_cache_env(torchrun_args)}
     if "PYTHONPYCACHEPREFIX" in env:
         env.pop("PYTHONDONTWRITEBYTECODE", None)  # written under the prefix, on the volume, only
     torchrun_args = with_rdzv_defaults(torchrun_args)
-    cmd = [sys.executable, "-m", "trainer.supervisor", *torchrun_args]  # torchrun itself, see _torchrun
+    cmd = [sys.executable, "-m", "trainer.torchrun", *torchrun_args]  # torchrun itself, with our rendezvous reporter
     got: list[int] = []
 
     def on_signal(signum, frame):
@@ -557,16 +410,16 @@ def supervise(torchrun_args: list[str], poll_s: float = 0.5) -> int:
         if proc.poll() is not None:
             return
         if signum == signal.SIGINT and got.count(signal.SIGINT) > 1:
-            print("second Ctrl-C: stopping at once (the save in progress is lost; earlier checkpoints stay)", file=sys.stderr, flush=True)
+            say("second Ctrl-C: stopping at once (the save in progress is lost; earlier checkpoints stay)")
             proc.kill()  # the workers follow (PR_SET_PDEATHSIG)
         elif len(got) == 1:  # torchrun forwards it to every worker; a repeat would only disturb its shutdown
-            (exit_dir / SIGNALLED).touch()
-            print(f"{signal.Signals(signum).name} received: the workers stop after their current step and save a checkpoint "
-                  "(Ctrl-C again stops at once)", file=sys.stderr, flush=True)
+            (exit_dir / contract.SIGNALLED).touch()
+            say(f"{signal.Signals(signum).name} received: the workers stop after their current step and save a checkpoint "
+                "(Ctrl-C again stops at once)")
             proc.send_signal(FORWARDED[signum])
 
     limit = slurm.TimeLimit() if slurm.supervising() else None
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=die_with_parent)
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=contract.die_with_parent)
     previous = {s: signal.signal(s, on_signal) for s in FORWARDED}
     try:
         code, stopped_for_usage = _watch(proc, exit_dir, LostRendezvous(torchrun_args, proc.pid), limit, poll_s)
@@ -579,8 +432,7 @@ def supervise(torchrun_args: list[str], poll_s: float = 0.5) -> int:
             slurm.after(final, limit)
         code = for_launcher(final, torchrun_args, exit_policy())
         if got and final == EXIT_PREEMPTED:
-            print(f"stopped by {signal.Signals(got[0]).name}; the workers saved a checkpoint: exit {code} (run the same command to resume)",
-                  file=sys.stderr, flush=True)
+            say(f"stopped by {signal.Signals(got[0]).name}; the workers saved a checkpoint: exit {code} (run the same command to resume)")
         return code
     finally:
         for s, h in previous.items():
@@ -589,134 +441,3 @@ def supervise(torchrun_args: list[str], poll_s: float = 0.5) -> int:
             proc.kill()
             proc.wait()
         shutil.rmtree(exit_dir, ignore_errors=True)
-
-
-def _option(argv: list[str], name: str, default: str = "") -> str:
-    """A torchrun option's value, spelt --name=V, --name V, or with underscores; else, as torchrun
-    reads it, from PET_NAME in the environment (what the Kubeflow operators set: PET_NNODES ...)."""
-    names = {f"--{name}", f"--{name.replace('-', '_')}"}
-    for i, a in enumerate(argv):
-        key, eq, value = a.partition("=")
-        if key in names:
-            return value if eq else (argv[i + 1] if i + 1 < len(argv) else default)
-    return os.environ.get("PET_" + name.upper().replace("-", "_"), default)
-
-
-def _endpoint(argv: list[str]) -> str:
-    """--rdzv-endpoint, or torchrun's default."""
-    return _option(argv, "rdzv-endpoint") or "127.0.0.1:29400"
-
-
-def rdzv_conf(argv: list[str]) -> dict[str, str]:
-    """torchrun's --rdzv-conf K=V,K=V as a dict."""
-    return dict(kv.split("=", 1) for kv in _option(argv, "rdzv-conf").split(",") if "=" in kv)
-
-
-def with_rdzv_defaults(argv: list[str]) -> list[str]:
-    """torchrun's arguments with rendezvous settings that suit a cluster job, where not given:
-
-    - read_timeout = join_timeout: c10d store reads that wait as long as the rendezvous does. With
-      the default 60 s, a read that times out on a cut link leaves the agent's store connection out
-      of step: when the link comes back, the agent fails and closes the rendezvous for every node,
-      so a cut over a minute would end the job.
-    - for an elastic range (--nnodes MIN:MAX): last_call_timeout = ELASTIC_LAST_CALL_S, so that once
-      MIN nodes are back after a node is lost the group re-forms that much later instead of torchrun's
-      30 s (a node that comes later joins at the next re-form); keep_alive_interval =
-      ELASTIC_KEEP_ALIVE_S, so that a lost node is dropped from the rendezvous after 3 missed
-      keep-alives, 9 s instead of 15 s (one small store write per node that often)."""
-    if _option(argv, "rdzv-backend") != "c10d":
-        return argv
-    conf = rdzv_conf(argv)
-    wanted = {"read_timeout": conf.get("join_timeout", "600")}
-    if ":" in _option(argv, "nnodes", "1"):
-        wanted.update(last_call_timeout=str(ELASTIC_LAST_CALL_S), keep_alive_interval=str(ELASTIC_KEEP_ALIVE_S))
-    if all(k in conf for k in wanted):
-        return argv
-    conf = {**conf, **{k: v for k, v in wanted.items() if k not in conf}}
-    out, i = [], 0
-    while i < len(argv):  # drop the given --rdzv-conf; the merged one goes first, among torchrun's options
-        key, eq, _ = argv[i].partition("=")
-        if key in ("--rdzv-conf", "--rdzv_conf"):
-            i += 1 if eq else 2
-            continue
-        out.append(argv[i])
-        i += 1
-    return [f"--rdzv-conf={','.join(f'{k}={v}' for k, v in conf.items())}", *out]
-
-
-def _where_lost(argv: list[str]) -> str:
-    """'at step N (the job resumes from step-M)' from what the workers said when they failed and
-    the run folder, as far as they tell."""
-    steps = []
-    folder = os.environ.get(EXIT_DIR_ENV)
-    for p in Path(folder).glob("[0-9]*-*") if folder else []:
-        try:
-            steps += [int(m) for m in re.findall(r" (?:at|after) step (\d+)", p.read_text())]
-        except OSError:
-            continue
-    from trainer.checkpoint import newest_complete  # torchrun's process: torch is imported already
-
-    cfg = _training_config(argv)
-    found = newest_complete(Path(cfg.checkpoint.dir)) if cfg else None
-    at = f"at step {max(steps)}" if steps else "during training"
-    return f"{at} (the job resumes from {found.name})" if found else at
-
-
-def rendezvous_failure(argv: list[str], error: BaseException, left: list[str] | None = None) -> str:
-    """One line for a rendezvous that could not form: what happened, where, and the fix. ``left``:
-    nodes of the last group that did not come back (trainer/rendezvous.py saw them go)."""
-    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousTimeoutError
-
-    endpoint = _endpoint(argv)
-    nodes, job = _option(argv, "nnodes", "1"), _option(argv, "rdzv-id", "none")
-    conf = rdzv_conf(argv)
-    if isinstance(error, RendezvousTimeoutError) and left:
-        return (f"torchrun: {', '.join(left)}, lost {_where_lost(argv)}, did not come back to the rendezvous at {endpoint} "
-                f"(id {job}) within {conf.get('join_timeout', '600')} s: start the same command there again, or run elastic "
-                f"(--nnodes MIN:{nodes.split(':')[-1]}) so that the nodes left go on; exit {EXIT_CRASH} so that the scheduler retries "
-                "from the newest checkpoint")
-    if isinstance(error, RendezvousTimeoutError):
-        return (f"torchrun: the rendezvous at {endpoint} (id {job}) did not gather {nodes} nodes within "
-                f"{conf.get('join_timeout', '600')} s: start the same command on every node (same --rdzv-id, and "
-                f"--rdzv-endpoint reachable from each), or wait longer with --rdzv-conf join_timeout=SECONDS")
-    if isinstance(error, RendezvousClosedError):
-        return (f"torchrun: the rendezvous at {endpoint} (id {job}) was closed: the job ended on another node; "
-                "start every node again (with a new --rdzv-id if the old job's nodes are gone)")
-    return (f"torchrun: cannot reach the rendezvous at {endpoint} (id {job}): {error or type(error).__name__}; check that "
-            "the first node runs and that this node reaches it at that address and port")
-
-
-def _torchrun(argv: list[str]) -> int:
-    """torchrun's own main, minus the traceback it prints when a signal stops it or its rendezvous
-    cannot form (the workers report what they did; the supervisor turns it into the exit code)."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousError
-    from torch.distributed.run import main
-
-    from trainer.rendezvous import Reporter
-
-    reporter = Reporter.for_args(argv)
-    if reporter is not None:
-        reporter.start()  # says what the rendezvous waits for, while it waits
-    try:
-        main(argv)
-    except SignalException as e:
-        print(f"torchrun: stopped its workers on {signal.Signals(e.sigval).name}", file=sys.stderr, flush=True)
-        return 128 + int(e.sigval)
-    except RendezvousError as e:  # a crash (another node may yet come): the launcher's retry is right
-        print(rendezvous_failure(argv, e, reporter.left if reporter else None), file=sys.stderr, flush=True)
-        return EXIT_CRASH
-    except ChildFailedError as e:  # the workers said what failed, each in one line; torchrun's box repeats it
-        rank, failure = e.get_first_failure()
-        print(f"torchrun: no restart left after rank {rank} exited {failure.exitcode} (pid {failure.pid}); the workers' lines above "
-              "say what failed, their tracebacks are in the run folder (error-rank*.txt)", file=sys.stderr, flush=True)
-        return failure.exitcode if failure.exitcode > 0 else EXIT_CRASH
-    finally:
-        if reporter is not None:
-            reporter.close()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_torchrun(sys.argv[1:]))

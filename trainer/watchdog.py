@@ -49,7 +49,8 @@ from collections import deque
 from datetime import timedelta
 from pathlib import Path
 
-from trainer.supervisor import EXIT_DIR_ENV, EXIT_HUNG, record_exit
+from trainer.contract import EXIT_DIR_ENV, EXIT_HUNG, record_exit, say
+from trainer.files import replacing
 
 GROWTH = 10
 """The bound is at least this many times the longest ordinary pause between two beats."""
@@ -157,11 +158,10 @@ class Watchdog:
     def _write_heartbeat(self, bound: float) -> None:
         if self._heartbeat is None:
             return
-        tmp = self._heartbeat.with_name(f".{self._heartbeat.name}.tmp")
         try:
-            tmp.write_text(json.dumps({"pid": os.getpid(), "rank": self.rank, "step": self.step, "bound_s": bound,
-                                       "hang_file": str(self.hang_file)}))
-            tmp.replace(self._heartbeat)
+            with replacing(self._heartbeat) as tmp:
+                tmp.write_text(json.dumps({"pid": os.getpid(), "rank": self.rank, "step": self.step, "bound_s": bound,
+                                           "hang_file": str(self.hang_file)}))
         except OSError:
             pass
 
@@ -191,7 +191,7 @@ class Watchdog:
         line = (f"rank {self.rank} ({socket.gethostname()}): no training progress for {idle:.0f} s after step {self.step} "
                 f"(dist.hang_timeout_s, bound {bound:.0f} s){whom}; stacks in {where}; exiting {EXIT_HUNG} so that the launcher "
                 "restarts from the newest checkpoint")
-        print(line, file=sys.stderr, flush=True)
+        say(line)
         record_exit(EXIT_HUNG, line)  # for the supervisor: where the job was when a node is not back
         os._exit(EXIT_HUNG)  # the main thread is stuck: no cleanup can be trusted to finish
 

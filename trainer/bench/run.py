@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.supervisor import COMMAND_START_ENV
+from trainer.contract import COMMAND_START_ENV
 
 SEEDNET_FLOP = 128.1e9  # per image per training step (6 x 21.35 G multiply-adds)
 PLAIN = ["train.precision=fp32", "model.compile=false", "model.channels_last=false", "data.device_resident=false", "optim.impl=loop"]

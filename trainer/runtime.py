@@ -71,37 +71,28 @@ def resolve(cfg: Config) -> Runtime:
         strategy = "ddp" if in_group else ("single" if has_cuda else "cpu")
     if strategy in ("cpu", "single", "dp"):
         if in_group and int(os.environ["WORLD_SIZE"]) > 1:
-            raise ConfigError(
-                f"train.strategy={strategy} runs one process but torchrun started {os.environ['WORLD_SIZE']}; "
-                "use train.strategy=ddp (or auto) under torchrun"
-            )
-        if cfg.dist.backend == "nccl":
-            raise ConfigError(f"dist.backend=nccl needs train.strategy=ddp or fsdp under torchrun, not {strategy}")
+            raise ConfigError(f"train.strategy={strategy} runs one process but torchrun started {os.environ['WORLD_SIZE']}; "
+                              "use train.strategy=ddp (or auto) under torchrun")
+        if problem := cfg.combination_problem(strategy, has_cuda):
+            raise ConfigError(problem)
         device = torch.device("cpu") if strategy == "cpu" else torch.device("cuda", 0)
         return Runtime(strategy, 0, 0, 1, device, None)
 
     # ddp / fsdp
     if not in_group:
-        raise ConfigError(
-            f"train.strategy={strategy} needs the environment torchrun sets; launch with "
-            f"`torchrun --nproc-per-node N -m trainer train ...` (or use train.strategy=auto)"
-        )
+        raise ConfigError(f"train.strategy={strategy} needs the environment torchrun sets; launch with "
+                          "`torchrun --nproc-per-node N -m trainer train ...` (or use train.strategy=auto)")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    want = cfg.train.device
-    use_cuda = has_cuda if want == "auto" else want == "cuda"
+    use_cuda = has_cuda if cfg.train.device == "auto" else cfg.train.device == "cuda"
     if use_cuda:
         if local_rank >= torch.cuda.device_count():
-            raise ConfigError(
-                f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPU(s) are visible; "
-                f"start at most {torch.cuda.device_count()} processes per node (--nproc-per-node)"
-            )
+            raise ConfigError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPU(s) are visible; "
+                              f"start at most {torch.cuda.device_count()} processes per node (--nproc-per-node)")
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-    backend = cfg.dist.backend
-    if backend == "auto":
-        backend = "nccl" if use_cuda else "gloo"
+    backend = ("nccl" if use_cuda else "gloo") if cfg.dist.backend == "auto" else cfg.dist.backend
     return Runtime(strategy, rank, local_rank, world, device, backend)
 
 

@@ -16,10 +16,10 @@ from torch import nn
 from trainer import compile_cache, data, models, parallel
 from trainer.checkpoint import Checkpointer, ModelPart, OptimizerPart, TrainState
 from trainer.config import Config, ConfigError
-from trainer.dist import Runtime, agree, broadcast
 from trainer.loader import Augment, make_train_loader
 from trainer.metrics import Progress, RunLog, Startup
 from trainer.optim import Lookahead, MasterWeights, build_optimizer, build_schedule
+from trainer.runtime import Runtime, agree, broadcast
 from trainer.stop import StopFlag
 from trainer.watchdog import Watchdog
 
@@ -42,15 +42,11 @@ class Fast:
         def auto(value: bool | None) -> bool:
             return rt.cuda if value is None else value
 
+        if problem := cfg.combination_problem(rt.strategy, rt.cuda):  # the config's rules with what auto became here
+            raise ConfigError(problem)
         compile_model = auto(cfg.model.compile) and rt.strategy != "dp"
         bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and rt.cuda)
-        if cfg.train.param_dtype == "bf16" and not bf16:
-            raise ConfigError("train.param_dtype=bf16 needs bf16 autocast, which auto turns on only on GPUs; set train.precision=bf16 or train.param_dtype=fp32")
         bf16_weights = cfg.train.param_dtype == "bf16" or (cfg.train.param_dtype == "auto" and bf16 and cfg.bf16_weights_problem(rt.strategy) is None)
-        if cfg.model.compile and rt.strategy == "dp":
-            raise ConfigError("model.compile=true does not work with train.strategy=dp; use model.compile=false (or auto) or train.strategy=ddp")
-        if cfg.optim.lookahead_every and rt.strategy == "fsdp":
-            raise ConfigError("optim.lookahead_every (Lookahead) does not work with train.strategy=fsdp; set optim.lookahead_every=0 or use ddp")
         return cls(
             bf16=bf16,
             bf16_weights=bf16_weights,

@@ -1,0 +1,49 @@
+"""Fault injection for the tests: crash points in the training loop and the checkpoint writer,
+off unless TRAINER_FAULT names one. The standard library only; a test sets the variables, the
+trainer never does."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import time
+
+
+def crash_point(name: str, step: int | None = None) -> None:
+    """Fault injection for the tests, off unless TRAINER_FAULT names this point.
+
+    TRAINER_FAULT="POINT[@STEP]:ACTION" with ACTION ``kill`` (SIGKILL this process),
+    ``sleep=SECONDS`` (a read or write that blocks) or ``slow=SECONDS`` (every time, a straggler).
+    Points: ``batch`` (before a training step reads its batch) and ``before-rename`` (a checkpoint
+    written, not yet published). It acts on rank TRAINER_FAULT_RANK (default 0) and, but for
+    ``slow``, only on the first attempt (torchrun's TORCHELASTIC_RESTART_COUNT=0), so a restarted
+    group runs through.
+    """
+    fault = _fault()
+    if fault is None:
+        return
+    point, at, action = fault
+    if point != name or (at is not None and step is not None and at != step):
+        return
+    if os.environ.get("RANK", "0") != os.environ.get("TRAINER_FAULT_RANK", "0"):
+        return
+    if action.startswith("slow="):
+        time.sleep(float(action.split("=", 1)[1]))
+        return
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    if action.startswith("sleep="):
+        time.sleep(float(action.split("=", 1)[1]))
+        return
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@functools.cache
+def _fault() -> tuple[str, int | None, str] | None:
+    """TRAINER_FAULT parsed once (crash_point runs every step)."""
+    if not (spec := os.environ.get("TRAINER_FAULT")):
+        return None
+    where, _, action = spec.partition(":")
+    point, _, at = where.partition("@")
+    return point, int(at) if at else None, action

@@ -1,0 +1,48 @@
+"""torchrun itself, as the supervisor runs it (``python -m trainer.torchrun ARGS``, never by hand):
+torchrun's own main with a thread that says what its rendezvous waits for (trainer/rendezvous.py),
+minus the traceback it prints when a signal stops it or its rendezvous cannot form. The workers
+report what they did; the supervisor turns it into the exit code.
+
+Signals: torchrun's own handlers take SIGTERM, SIGINT and SIGHUP (the supervisor passes each on
+once; SIGUSR1 comes as SIGTERM) and forward them to every worker; it then exits 128 + the signal.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+from trainer.contract import EXIT_CRASH, say
+from trainer.rendezvous import Reporter, rendezvous_failure
+
+
+def main(argv: list[str]) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+    from torch.distributed.run import main as torchrun_main
+
+    reporter = Reporter.for_args(argv)
+    if reporter is not None:
+        reporter.start()  # says what the rendezvous waits for, while it waits
+    try:
+        torchrun_main(argv)
+    except SignalException as e:
+        say(f"torchrun: stopped its workers on {signal.Signals(e.sigval).name}")
+        return 128 + int(e.sigval)
+    except RendezvousError as e:  # a crash (another node may yet come): the launcher's retry is right
+        say(rendezvous_failure(argv, e, reporter.left if reporter else None))
+        return EXIT_CRASH
+    except ChildFailedError as e:  # the workers said what failed, each in one line; torchrun's box repeats it
+        rank, failure = e.get_first_failure()
+        say(f"torchrun: no restart left after rank {rank} exited {failure.exitcode} (pid {failure.pid}); the workers' lines above "
+            "say what failed, their tracebacks are in the run folder (error-rank*.txt)")
+        return failure.exitcode if failure.exitcode > 0 else EXIT_CRASH
+    finally:
+        if reporter is not None:
+            reporter.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
