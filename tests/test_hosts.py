@@ -214,7 +214,7 @@ def test_a_link_cut_of_two_minutes_is_ridden_out_and_the_job_finishes_with_nothi
     caught = [n.when(r"no training progress|Timed out|timed out|hung", after=t_cut, timeout=90) for n in nodes]
     print(f"cut link: caught on node0 {caught[0] - t_cut:.1f} s, on node1 {caught[1] - t_cut:.1f} s after the cut (dist.hang_timeout_s=10, dist.timeout_s=20)")
     assert max(caught) - t_cut < 20 + 30  # within dist.timeout_s and a margin: no rank hangs past it
-    time.sleep(max(0.0, t_cut + CUT_S - time.time()))
+    time.sleep(max(0.0, t_cut + CUT_S - time.time()))  # duration: the cut lasts CUT_S
     assert all(n.proc.poll() is None for n in nodes), [n.out[-2000:] for n in nodes]  # still there, waiting
     t_mend = time.time()
     bed.mend("node1")
@@ -236,7 +236,7 @@ def test_after_a_cut_ridden_out_a_blocked_read_is_caught_within_the_setting(bed,
              for h in bed.names]
     nodes[0].when(r"epoch 3/16 step 8/")  # near a save: a stall in or after a save counts too
     bed.cut("node1")
-    time.sleep(8)  # TCP's resends (0.2 s doubling) get through within about 13 s: under the bound
+    time.sleep(8)  # duration: of the cut; TCP's resends (0.2 s doubling) get through within about 13 s: under the bound
     bed.mend("node1")
     t_read = nodes[0].when(r"epoch 9/16 step 4/", timeout=120)  # step 132: ridden out, no restart
     assert "resuming from" not in nodes[0].out and re.search(r"\(\d+m\d+s stalled, left out\)", nodes[0].out), nodes[0].out[-2000:]
@@ -328,7 +328,7 @@ def test_an_elastic_job_goes_on_without_the_host_of_rank_0_and_grows_back_when_i
         for h in others:
             assert re.search(rf"torchrun: the group re-formed with 2 node\(s\) \(.*; {rank0} left\)", run[h].out), run[h].out[-3000:]
             assert re.search(rf"lost rank 0 \({rank0}\) at step \d+", run[h].out), run[h].out[-3000:]
-        time.sleep(3)
+        time.sleep(3)  # duration: the host stays away
         t_back = time.time()
         run[rank0] = node(bed, rank0, ckpt, "el", *ELASTIC, nnodes="2:3", endpoint="rdzv")  # the host is back, the same command
         leader, t_formed = first_of(list(run.values()), "strategy ddp x3", after=t_back)
@@ -337,7 +337,7 @@ def test_an_elastic_job_goes_on_without_the_host_of_rank_0_and_grows_back_when_i
         quiet = others[1]
         t_cut = time.time()
         bed.cut(quiet)
-        time.sleep(2)
+        time.sleep(2)  # duration: cut off, then powered off
         bed.crash(quiet)  # nothing it sends gets out: the others hear nothing, not even a reset
         kept = [h for h in run if h != quiet]
         said = first_of([run[h] for h in kept], rf"torchrun: {quiet} dropped out of the rendezvous", after=t_cut, timeout=90)[1]
@@ -412,7 +412,7 @@ def test_pytorchjob_pods_on_two_hosts_train_and_a_lost_worker_pod_is_replaced_by
         running[job.master].when(r"epoch 4/24 step 8/")
         t_crash = time.time()
         bed.crash(job.worker)  # the worker's container dies with everything in it
-        time.sleep(5)  # the operator deletes the failed pod and makes it again (same name, its host here)
+        time.sleep(5)  # duration: the pod is away while the operator deletes it and makes it again (same name, its host here)
         running[job.worker] = job.start(bed, job.worker)
         t_back = running[job.master].when(r"epoch \d+/24 step \d+/", after=running[job.master].when("resuming from", after=t_crash))
         print(f"PyTorchJob: worker pod lost -> the master's next training step {t_back - t_crash:.1f} s later (5 s of it the pod was down)")

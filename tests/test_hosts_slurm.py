@@ -103,7 +103,7 @@ def test_a_lost_slurm_node_requeues_the_job_and_it_resumes_when_the_node_is_back
     while time.time() < deadline and slurm.states().get("node1", "").rstrip("*") not in ("down", "idle"):
         time.sleep(0.5)
     t_down = time.time()
-    time.sleep(3)
+    time.sleep(3)  # duration: the node is down
     slurm.start_node("node1")  # the node reboots and its slurmd registers again
     assert wait_for(slurm, job, timeout=400) == "COMPLETED", (tmp_path / f"slurm-{job}.out").read_text()[-4000:]
     out = (tmp_path / f"slurm-{job}.out").read_text()

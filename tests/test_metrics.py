@@ -55,10 +55,10 @@ def test_startup_phases_add_up_to_the_time_since_the_start():
 
     t0 = time.perf_counter()
     clock = Startup(t0)
-    time.sleep(0.02)
+    time.sleep(0.02)  # duration: of phase a
     clock.mark("a")
     clock.mark("b")
-    time.sleep(0.01)
+    time.sleep(0.01)  # duration: between the marks
     before = time.perf_counter()
     clock.mark("a")  # a phase met twice adds up
     after = time.perf_counter()

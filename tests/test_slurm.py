@@ -196,7 +196,7 @@ def test_torchx_job_with_bad_input_is_not_requeued_even_with_retries_left(tmp_pa
     deadline = time.time() + 180
     while time.time() < deadline and job_field(job, "JobState") not in ("COMPLETED", "FAILED", "CANCELLED"):
         time.sleep(1)
-    time.sleep(2)  # a requeue would show now
+    time.sleep(2)  # duration: of a look for a requeue, which would show by now
     err = (tmp_path / "job" / f"slurm-{job}-trainer-0.err").read_text()
     assert job_field(job, "JobState") == "FAILED" and job_field(job, "Restarts") == "0" and job_field(job, "Requeue") == "0", err
     errors = [line for line in err.splitlines() if line.startswith("error: ")]

@@ -132,7 +132,9 @@ def test_a_second_ctrl_c_stops_at_once(ckpt):
     until(agent, "epoch 2/")
     os.killpg(agent.pid, signal.SIGINT)
     until(agent, "shutting down workers")  # torchrun passed the first one on
-    time.sleep(1)
+    deadline = time.time() + 60
+    while time.time() < deadline and not list(ckpt.glob(".tmp-step-*")):  # the stop's save has begun
+        time.sleep(0.1)
     t0 = time.time()
     os.killpg(agent.pid, signal.SIGINT)
     out = agent.communicate(timeout=60)[0]
@@ -402,7 +404,7 @@ def test_an_agent_with_a_live_worker_is_left_alone(monkeypatch):
         while time.time() < deadline and not psutil.Process(p.pid).children():
             time.sleep(0.05)
         watch = supervisor.LostRendezvous(["--rdzv-conf=join_timeout=0"], p.pid)
-        time.sleep(0.5)
+        time.sleep(0.5)  # duration: past the (zero) bound, with a worker alive
         assert has_children(p.pid) is True and watch.check() == ""
         assert supervisor.LostRendezvous([], p.pid).bound_s == 600 + supervisor.LOST_RENDEZVOUS_MARGIN_S  # torchrun's default
     finally:

@@ -29,7 +29,7 @@ def test_the_bound_grows_with_the_slowest_pause_and_nothing_fires_before_the_fir
     a = time.monotonic()
     dog.beat(1)
     b = time.monotonic()
-    time.sleep(0.05)
+    time.sleep(0.05)  # duration: of the pause between the beats
     c = time.monotonic()
     dog.beat(2)
     d = time.monotonic()

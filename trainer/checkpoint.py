@@ -382,7 +382,8 @@ class FolderLock:
                 os.close(fd)
                 return None
             return fd
-        if not held or os.fstat(fd).st_ino != os.stat(self.path).st_ino:  # another holds it, or moved aside as stale meanwhile
+        # another holds it, or moved aside as stale meanwhile
+        if not held or os.fstat(fd).st_ino != os.stat(self.path).st_ino:
             os.close(fd)
             return self._try() if held else None
         return fd
@@ -517,7 +518,8 @@ class ModelPart:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
         try:
-            set_model_state_dict(self.model, dict(state), options=_full())  # copies into the live tensors: their layout stays
+            # copies into the live tensors: their layout stays
+            set_model_state_dict(self.model, dict(state), options=_full())
         except (RuntimeError, KeyError) as e:
             lines = [line.strip() for line in str(e).splitlines() if line.strip()]
             detail = lines[1] if len(lines) > 1 else (lines[0] if lines else repr(e))

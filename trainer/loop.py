@@ -34,7 +34,8 @@ class LogWindow:
         self.steps += 1
 
     def due(self, step: int, every: int, seconds: float) -> bool:
-        return step % every == 0 or bool(seconds and time.perf_counter() - self.start >= seconds)  # a host clock read, no sync
+        # a host clock read, no sync
+        return step % every == 0 or bool(seconds and time.perf_counter() - self.start >= seconds)
 
     def reset(self, now: float, stalled_s: float) -> None:
         self.loss.zero_()
@@ -115,7 +116,8 @@ class Trainer:
         self.first_step_s, since = time.perf_counter() - r.started_at, since_command()  # both clocks at the same moment
         cache_bytes = 0
         if r.compile_cache != "off" and self.rt.is_main:
-            cache_bytes = compile_cache.seal(r.root, r.compile_key)  # what this start compiled or found, for the next one
+            # what this start compiled or found, for the next one
+            cache_bytes = compile_cache.seal(r.root, r.compile_key)
             clock.mark("compile_cache_seal (after the first-step clock)")
         if r.compile_cache != "off":
             r.say.line(f"compile cache {r.compile_key}: {r.compile_cache}" + (f"; sealed {cache_bytes / 2**20:.1f} MiB for restarts" if cache_bytes else ""))
@@ -225,7 +227,8 @@ class Trainer:
         data_ms, step_ms = self.timer.read_ms()
         mean_loss = all_reduce_sum(self.rt, torch.stack([loss_sum, torch.tensor(float(steps), device=self.rt.device)]))
         return {
-            "train_loss": round((mean_loss[0] / mean_loss[1]).item(), 5) if steps else None,  # None: every step ran before a resume
+            # None: every step ran before a resume
+            "train_loss": round((mean_loss[0] / mean_loss[1]).item(), 5) if steps else None,
             "train_seconds": round(seconds, 3), "steps": steps,
             "images_per_s": round(steps * self.cfg.train.batch_size / seconds, 1) if steps else None,
             "data_ms_per_step": round(data_ms / steps, 4) if steps else None,

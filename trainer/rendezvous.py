@@ -262,9 +262,11 @@ class Reporter:
         state = self.state()
         if state is None or getattr(state, "round", None) != self.round or not getattr(state, "complete", False):
             return  # a new round is forming: torchrun stops its workers itself (with a save)
-        present = {_host(n) for n in _round_nodes(state)}  # one leaving for the next round waits in wait_list; a dead one is nowhere
+        # one leaving for the next round waits in wait_list; a dead one is nowhere
+        present = {_host(n) for n in _round_nodes(state)}
         missing = {m for m in self.members if m not in present}
-        lost, self._missing = sorted(missing & self._missing), missing  # missing at two checks in a row: not a node between two steps of its own
+        # missing at two checks in a row: not a node between two steps of its own
+        lost, self._missing = sorted(missing & self._missing), missing
         if not lost:
             return
         self.say(f"torchrun: {', '.join(lost)} dropped out of the rendezvous (its keep-alive stopped: lost or cut off) while the "

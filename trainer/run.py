@@ -217,7 +217,8 @@ def use_compile_cache(cfg: Config, rt: Runtime, fast: Fast, clock: Startup) -> t
         return "off", ""
     key = compile_cache.key(cfg, rt, fast)
     root = Path(cfg.checkpoint.dir)
-    found = broadcast(rt, compile_cache.check(root, key) if rt.is_main else None)  # rank 0 checks; then every rank uses it
+    # rank 0 checks; then every rank uses it
+    found = broadcast(rt, compile_cache.check(root, key) if rt.is_main else None)
     compile_cache.use(root, key)
     clock.mark("compile_cache_load")
     return found, key

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.config import Config, ConfigError, check_batch, check_devices, check_world_range
+from trainer.contract import NNODES_ENV
 
 DIST_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -100,8 +101,9 @@ def setup(cfg: Config) -> Runtime:
     """Resolve, then bind the GPU and join the process group (with the collective timeout)."""
     rt = resolve(cfg)
     check_batch(cfg, rt.world_size)
-    if ":" in os.environ.get("TRAINER_NNODES", "") and "LOCAL_WORLD_SIZE" in os.environ:  # an elastic job: every size it may take
-        check_world_range(cfg, os.environ["TRAINER_NNODES"], int(os.environ["LOCAL_WORLD_SIZE"]))
+    # an elastic job: every size it may take
+    if ":" in (nnodes := os.environ.get(NNODES_ENV, "")) and "LOCAL_WORLD_SIZE" in os.environ:
+        check_world_range(cfg, nnodes, int(os.environ["LOCAL_WORLD_SIZE"]))
     if rt.cuda:
         torch.cuda.set_device(rt.device)
     if rt.distributed and not dist.is_initialized():

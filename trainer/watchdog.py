@@ -205,7 +205,8 @@ class Peers:
     def __init__(self, rank: int, world_size: int):
         self.rank, self.world_size, self.host = rank, world_size, socket.gethostname()
         self._store = None
-        self._prefix = f"trainer/watchdog/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"  # this attempt's ranks only
+        # this attempt's ranks only
+        self._prefix = f"trainer/watchdog/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
         self._seq = 0
         self._seen: dict[int, tuple[int, float, dict]] = {}
         """rank -> (its record's seq when first seen so, when that was, the record)."""

@@ -100,7 +100,8 @@ def stall(overrides: list[str]) -> None:
     t0 = time.perf_counter()
     trainer.save(sync=True)
     sync_stall = time.perf_counter() - t0
-    state_bytes = json.loads((newest_complete(Path(cfg.checkpoint.dir)) / META).read_text())["bytes"]  # what a save writes
+    # what a save writes
+    state_bytes = json.loads((newest_complete(Path(cfg.checkpoint.dir)) / META).read_text())["bytes"]
     emit({"run": "checkpoint-stall", "model": cfg.model.name, "state_GB": state_bytes / 1e9, "async_stall_s": async_stall,
           "sync_stall_s": sync_stall, "step_ms": base * 1e3, "step_ms_during_write": during * 1e3})
 

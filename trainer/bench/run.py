@@ -160,7 +160,8 @@ class Bench:
     def recipe(self, name: str, gpus: int, config: str, extra: list[str], target: float = 0.906) -> None:
         """Time to accuracy on real data: training seconds (compile and evaluation excluded)."""
         ck = self.tmp / name
-        cache = os.environ.get("BENCH_CACHE") or self.tmp / "cache"  # a shared decode cache for benches run side by side
+        # a shared decode cache for benches run side by side
+        cache = os.environ.get("BENCH_CACHE") or self.tmp / "cache"
         args = ["train", "--config", config, "data.name=imagefolder", f"data.dir={self.data}", f"data.cache_dir={cache}",
                 f"checkpoint.dir={ck}", "train.plot=false", *extra]
         code, _ = run_case(name, cmd_for(gpus, "trainer", args), self.out, timeout=900)
@@ -180,7 +181,8 @@ class Bench:
         self.append({"run": name, "gpus": gpus, "exit": code, "overrides": extra, "epochs": len(epochs), "train_seconds": round(elapsed, 3),
                      "step_ms_per_epoch": [r.get("step_ms_per_step") for r in epochs],
                      "final_test_acc": epochs[-1]["test_acc"] if epochs else None, "target": target, "seconds_to_target": reached,
-                     "data_share_of_step": data_ms / step_ms if step_ms else None,  # all steps' data time / their step time
+                     # all steps' data time / their step time
+                     "data_share_of_step": data_ms / step_ms if step_ms else None,
                      "epoch_seconds": [r["train_seconds"] for r in epochs],
                      "images_per_s": statistics.median([r["images_per_s"] for r in epochs]) if epochs else None,
                      "first_step_s": next((r["seconds"] for r in rows if r.get("event") == "first_step"), None)})
