@@ -13,6 +13,7 @@ from conftest import ROOT, env
 
 from trainer import checkpoint
 from trainer.checkpoint import AsyncWriter, CheckpointError
+from trainer.files import sha256
 
 
 def state(step: int) -> dict:
@@ -106,7 +107,7 @@ def test_a_pickle_that_would_run_code_is_refused(tmp_path):
     folder = tmp_path / "step-5"
     folder.mkdir()
     evil.rename(folder / "state.pt")
-    (folder / "meta.json").write_text(json.dumps({"bytes": (folder / "state.pt").stat().st_size, "sha256": checkpoint._sha256(folder / "state.pt")}))
+    (folder / "meta.json").write_text(json.dumps({"bytes": (folder / "state.pt").stat().st_size, "sha256": sha256(folder / "state.pt")}))
     with pytest.raises(CheckpointError):
         checkpoint.load(folder)
     assert not marker.exists()
