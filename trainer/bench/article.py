@@ -96,9 +96,9 @@ def main() -> None:
             break
     seconds = time.perf_counter() - t0
     images = args.steps * 64 * (world if args.mode == "ddp" else 1)
-    result = {"run": f"article-{args.mode}", "gpus": world if args.mode == "ddp" else torch.cuda.device_count() if args.mode == "dp" else 1,
-              "batch_per_gpu": 64 if args.mode != "dp" else 64 / torch.cuda.device_count(), "images_per_s": images / seconds,
-              "first_step_s": first}
+    gpus = {"ddp": world, "dp": torch.cuda.device_count()}.get(args.mode, 1)
+    result = {"run": f"article-{args.mode}", "gpus": gpus, "batch_per_gpu": 64 / gpus if args.mode == "dp" else 64,
+              "images_per_s": images / seconds, "first_step_s": first}
     if rank == 0:
         print(json.dumps(result), flush=True)
         out = args.out or os.environ.get("BENCH_OUT")

@@ -74,8 +74,9 @@ def stall(overrides: list[str]) -> None:
     from trainer.runtime import setup
 
     folder = tempfile.mkdtemp(prefix="stall-", dir=os.environ.get("BENCH_TMP"))
-    cfg = load_config("configs/seed.yaml", ["data.name=synthetic", "data.synthetic_train_size=4096", "checkpoint.every_epochs=0",
-                                            f"checkpoint.dir={folder}", "checkpoint.async_save=true", "train.plot=false", *overrides])
+    cfg = load_config("configs/seed.yaml", ["data.name=synthetic", "data.synthetic_train_size=4096",
+                                            "checkpoint.every_epochs=0", f"checkpoint.dir={folder}",
+                                            "checkpoint.async_save=true", "train.plot=false", *overrides])
     run = build(cfg, setup(cfg))
     trainer = Trainer(run)
     trainer.start()
@@ -102,8 +103,9 @@ def stall(overrides: list[str]) -> None:
     sync_stall = time.perf_counter() - t0
     # what a save writes
     state_bytes = json.loads((newest_complete(Path(cfg.checkpoint.dir)) / META).read_text())["bytes"]
-    emit({"run": "checkpoint-stall", "model": cfg.model.name, "state_GB": state_bytes / 1e9, "async_stall_s": async_stall,
-          "sync_stall_s": sync_stall, "step_ms": base * 1e3, "step_ms_during_write": during * 1e3})
+    emit({"run": "checkpoint-stall", "model": cfg.model.name, "state_GB": state_bytes / 1e9,
+          "async_stall_s": async_stall, "sync_stall_s": sync_stall, "step_ms": base * 1e3,
+          "step_ms_during_write": during * 1e3})
 
 
 def augment() -> None:
@@ -126,4 +128,4 @@ def augment() -> None:
 
 if __name__ == "__main__":
     what = sys.argv[1]
-    {"matmul": lambda: matmul(), "allreduce": lambda: allreduce(), "stall": lambda: stall(sys.argv[2:]), "augment": lambda: augment()}[what]()
+    {"matmul": matmul, "allreduce": allreduce, "stall": lambda: stall(sys.argv[2:]), "augment": augment}[what]()
