@@ -13,7 +13,7 @@ from conftest import ROOT, env
 
 from trainer import checkpoint
 from trainer.checkpoint import AsyncWriter, CheckpointError
-from trainer.files import sha256
+from trainer.files import sha256, sha256_parts
 
 
 def state(step: int) -> dict:
@@ -29,6 +29,47 @@ def test_write_is_complete_verified_and_keeps_the_last_k(tmp_path):
     assert meta["step"] == 40 and meta["bytes"] == (tmp_path / "step-40" / "state.pt").stat().st_size
     assert torch.equal(checkpoint.load(tmp_path / "step-40")["model"]["w"], state(40)["model"]["w"])
     assert not list(tmp_path.glob(".tmp-*"))
+
+
+@pytest.mark.parametrize("part_bytes", [1000, 4096, 1 << 26])
+def test_part_digests_written_match_the_parts_hashed_side_by_side(tmp_path, part_bytes):
+    """The writer hashes each part as torch.save's writes arrive, of any size and across part
+    boundaries; the resume hashes the file's parts in threads: the two agree."""
+    raw = torch.randint(0, 256, (3 * 4096 + 17,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    data = bytes(raw.tolist())
+    with open(tmp_path / "f", "wb") as fh, pytest.MonkeyPatch.context() as mp:
+        mp.setattr(checkpoint, "PART_BYTES", part_bytes)
+        writer, at = checkpoint._HashingWriter(fh), 0
+        for size in (1, 999, 4096, 5000, 1, len(data)):
+            writer.write(data[at:at + size])
+            at += size
+        digests = writer.part_digests()
+    assert writer.size == len(data) and writer.sha.hexdigest() == sha256(tmp_path / "f")
+    assert digests == sha256_parts(tmp_path / "f", part_bytes, threads=3)
+    assert len(digests) == -(-len(data) // part_bytes)
+
+
+def test_a_damaged_part_is_found_and_old_checkpoints_verify_by_the_whole_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(checkpoint, "PART_BYTES", 1000)
+    checkpoint.write(state(1), tmp_path, 1, keep=3)
+    folder, f = tmp_path / "step-1", tmp_path / "step-1" / "state.pt"
+    meta = json.loads((folder / "meta.json").read_text())
+    assert meta["parts"]["bytes"] == 1000 and len(meta["parts"]["sha256"]) == -(-f.stat().st_size // 1000)
+    checkpoint.verify(folder)
+    # a checkpoint written before the parts: its whole-file sha256 is checked
+    del meta["parts"]
+    (folder / "meta.json").write_text(json.dumps(meta))
+    checkpoint.verify(folder)
+    raw = bytearray(f.read_bytes())
+    raw[-3] ^= 0xFF  # in the last, short part
+    f.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="corrupted"):
+        checkpoint.verify(folder)
+    meta["parts"] = {"bytes": 1000, "sha256": sha256_parts(f, 1000)}
+    meta["parts"]["sha256"][1] = "0" * 64
+    (folder / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="corrupted"):
+        checkpoint.verify(folder)
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "no-state"])

@@ -2,7 +2,7 @@
 and restored (:class:`Checkpointer`), and of the run folder's single-writer lock (:class:`FolderLock`).
 
 Bytes. A save writes ``state.pt`` (hashed while it is written) and ``meta.json`` (step, epoch, size,
-sha256) into a hidden temporary folder, fsyncs both and the folder, then renames the folder to
+the file's sha256 and one per 64 MiB part, which a resume checks side by side) into a hidden temporary folder, fsyncs both and the folder, then renames the folder to
 ``step-N`` and fsyncs the parent. The rename is the commit: a crash at any moment leaves either no
 ``step-N`` or a complete one, and a half-written temporary folder is never taken for a checkpoint
 (it is removed at the next start). On resume the newest ``step-N`` whose size and checksum match
@@ -43,7 +43,7 @@ from trainer import models
 from trainer.config import Config, ConfigError, to_dict
 from trainer.contract import one_line, say
 from trainer.faults import crash_point
-from trainer.files import flock, sha256
+from trainer.files import flock, sha256, sha256_parts
 from trainer.models import unwrap
 
 STATE, META = "state.pt", "meta.json"
@@ -51,6 +51,9 @@ STEP_DIR = re.compile(r"^step-(\d+)$")
 SET_ASIDE = re.compile(r"^step-\d+\.(corrupt\d*|replaced-\d+)$")
 LOCK = ".lock"
 FORMAT = 1
+PART_BYTES = 1 << 26
+"""The slice of ``state.pt`` that one sha256 of ``meta.json``'s ``parts`` covers: a resume hashes the
+parts in threads. The whole file's sha256 is kept beside them for readers that know only it."""
 KEEP_SET_ASIDE = 2
 """Quarantined (``.corrupt``) and replaced (``.replaced-*``) folders kept for inspection; older
 ones are deleted with a warning, so a crash loop cannot fill the volume with them."""
@@ -61,15 +64,29 @@ class CheckpointError(ConfigError):
 
 
 class _HashingWriter:
-    """File wrapper for torch.save: hashes the bytes on their way to disk (no second read)."""
+    """File wrapper for torch.save: hashes the bytes on their way to disk (no second read), the
+    whole file and each PART_BYTES part."""
 
     def __init__(self, fh):
         self.fh, self.sha, self.size = fh, hashlib.sha256(), 0
+        self.part, self.parts = hashlib.sha256(), []
 
     def write(self, data) -> int:
-        self.sha.update(data)
-        self.size += len(data)
+        view = memoryview(data).cast("B")
+        self.sha.update(view)
+        done = 0
+        while done < len(view):
+            piece = view[done:done + PART_BYTES - (self.size + done) % PART_BYTES]
+            self.part.update(piece)
+            done += len(piece)
+            if (self.size + done) % PART_BYTES == 0:
+                self.parts.append(self.part.hexdigest())
+                self.part = hashlib.sha256()
+        self.size += len(view)
         return self.fh.write(data)
+
+    def part_digests(self) -> list[str]:
+        return self.parts + ([self.part.hexdigest()] if self.size % PART_BYTES else [])
 
     def flush(self) -> None:
         self.fh.flush()
@@ -100,7 +117,12 @@ def verify(folder: Path) -> dict:
         raise CheckpointError(f"checkpoint {folder} is incomplete ({e.__class__.__name__})") from None
     if size != meta.get("bytes"):
         raise CheckpointError(f"checkpoint {folder} is truncated ({size} of {meta.get('bytes')} bytes)")
-    if sha256(folder / STATE) != meta.get("sha256"):
+    parts = meta.get("parts")
+    if parts:  # written since the parts were added: checked in threads
+        good = sha256_parts(folder / STATE, parts["bytes"]) == parts["sha256"]
+    else:
+        good = sha256(folder / STATE) == meta.get("sha256")
+    if not good:
         raise CheckpointError(f"checkpoint {folder} is corrupted (checksum mismatch)")
     return meta
 
@@ -261,7 +283,8 @@ def write(state: dict, root: Path, step: int, keep: int) -> Path:
             fh.flush()
             os.fsync(fh.fileno())
         meta = {"format": FORMAT, "step": step, "epoch": state.get("epoch"), "bytes": writer.size,
-                "sha256": writer.sha.hexdigest(), "model": state.get("model_name"), "batch_size": saved_batch(state), "time": time.time()}
+                "sha256": writer.sha.hexdigest(), "parts": {"bytes": PART_BYTES, "sha256": writer.part_digests()},
+                "model": state.get("model_name"), "batch_size": saved_batch(state), "time": time.time()}
         with open(tmp / META, "w") as fh:
             json.dump(meta, fh)
             fh.flush()

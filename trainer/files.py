@@ -7,6 +7,7 @@ import contextlib
 import fcntl
 import hashlib
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 
@@ -16,6 +17,25 @@ def sha256(path: Path, chunk: int = 1 << 24) -> str:
         while block := fh.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def sha256_parts(path: Path, part_bytes: int, threads: int | None = None) -> list[str]:
+    """The sha256 of each ``part_bytes`` slice of ``path``, hashed side by side: hashlib lets go
+    of the GIL while it hashes, so a 2.4 GB checkpoint takes about a part's time per thread
+    instead of the whole file's on one core (the verify before a resume is on its critical path)."""
+    size = path.stat().st_size
+    threads = threads or min(8, os.cpu_count() or 1)
+
+    def part(i: int) -> str:
+        h, offset, end = hashlib.sha256(), i * part_bytes, min(size, (i + 1) * part_bytes)
+        with open(path, "rb", buffering=0) as fh:
+            while offset < end and (block := os.pread(fh.fileno(), min(1 << 24, end - offset), offset)):
+                h.update(block)
+                offset += len(block)
+        return h.hexdigest()
+
+    with ThreadPoolExecutor(threads) as pool:
+        return list(pool.map(part, range(-(-size // part_bytes))))
 
 
 @contextlib.contextmanager
