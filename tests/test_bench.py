@@ -1,9 +1,12 @@
 """The benchmark report (trainer/bench/run.py) renders what the GPU runs stored; CPU only."""
 
 import json
+import os
+import subprocess
+import tempfile
 from pathlib import Path
 
-from trainer.bench.run import read_jsonl, table
+from trainer.bench.run import evict_page_cache, node_files, read_jsonl, table
 
 RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
 
@@ -34,3 +37,30 @@ def test_read_jsonl_skips_blank_lines_and_a_missing_file(tmp_path):
     assert read_jsonl(f) == []
     f.write_text('{"run": "a"}\n\n{"run": "b"}\n')
     assert [r["run"] for r in read_jsonl(f)] == ["a", "b"]
+
+
+def resident_bytes(path) -> int:
+    """The bytes of ``path`` in the page cache (util-linux's fincore)."""
+    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)],
+                         capture_output=True, text=True, check=True).stdout
+    return int(out.split()[0])
+
+
+def test_a_start_of_the_restart_suite_finds_nothing_in_the_page_cache(tmp_path):
+    """The restart suite's fresh node: files read before (by the cold start) are no longer in memory."""
+    on_disk = tmp_path if "tmpfs" not in subprocess.run(["stat", "-f", "-c", "%T", tmp_path], capture_output=True,
+                                                        text=True).stdout else Path("/var/tmp")  # a tmpfs keeps its pages
+    with tempfile.TemporaryDirectory(dir=on_disk) as d:
+        check_eviction(Path(d) / "volume")
+
+
+def check_eviction(volume: Path) -> None:
+    (volume / "ck").mkdir(parents=True)
+    f = volume / "ck" / "state.pt"
+    f.write_bytes(os.urandom(8 << 20))
+    os.sync()
+    f.read_bytes()
+    assert resident_bytes(f) > 0
+    assert evict_page_cache(volume) == 8 << 20
+    assert resident_bytes(f) == 0
+    assert volume in node_files(volume) and any((p / "torch").is_dir() for p in node_files(volume))

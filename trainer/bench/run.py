@@ -98,11 +98,42 @@ SHIPPED_CONFIGS = ("configs/default.yaml", "configs/fast.yaml", "configs/seed.ya
 NODE_CACHES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "CUDA_CACHE_PATH", "XDG_CACHE_HOME", COMMAND_START_ENV)
 
 
+def evict_page_cache(*roots: Path) -> int:
+    """Drop the kernel's cached pages of every file under ``roots`` (posix_fadvise DONTNEED; no root
+    needed; pages still mapped by a live process stay, a tmpfs keeps its files): a start after it
+    reads its libraries and checkpoint from disk, as on a fresh node, not from the memory of the
+    start before. Returns the bytes of the files it asked the kernel to drop."""
+    dropped = 0
+    for root in roots:
+        for f in [root] if root.is_file() else (p for p in root.rglob("*") if p.is_file() and not p.is_symlink()):
+            try:
+                fd = os.open(f, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                dropped += os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+    return dropped
+
+
+def node_files(volume: Path) -> list[Path]:
+    """What a fresh node has not read yet: the interpreter's libraries (torch, Triton, the CUDA
+    wheels: gigabytes) and the job's volume."""
+    import sysconfig
+
+    return [Path(sysconfig.get_paths()["stdlib"]), Path(sysconfig.get_paths()["purelib"]),
+            Path(sysconfig.get_paths()["platlib"]), volume]
+
+
 def restart_pair(tmp: Path, gpus: int, config: str, data: str, logs: Path | None = None, steps: int = 2,
                  node_env: dict[str, dict[str, str]] | None = None) -> tuple[dict, dict]:
     """A start as a user feels it, from the `trainer launch` command to the first training step:
     cold (a fresh node: empty HOME and TMPDIR, so no inductor, Triton or CUDA caches; an empty
     volume), then warm (another fresh node, the same volume: the checkpoint and the compile cache).
+    Before each start the page cache of the libraries and the volume is dropped: the warm start
+    does not read them from the memory of the cold one, as no relaunch on a new node does.
     Returns (cold, warm): each its exit code and, when it trained, the `first_step` record's figures.
     ``node_env`` adds variables to the "cold" or "warm" start (TORCH_TRACE, say)."""
     name = "restart-" + Path(config).stem
@@ -117,6 +148,7 @@ def restart_pair(tmp: Path, gpus: int, config: str, data: str, logs: Path | None
                "data.name=imagefolder", f"data.dir={data}", f"data.cache_dir={volume / 'data-cache'}",
                f"checkpoint.dir={volume / 'ck'}", f"train.max_steps={max_steps}", "train.plot=false",
                "checkpoint.every_steps=1"]
+        evicted = evict_page_cache(*node_files(volume))  # a fresh node's page cache holds none of them
         t0 = time.time()
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
         if logs is not None:
@@ -129,6 +161,7 @@ def restart_pair(tmp: Path, gpus: int, config: str, data: str, logs: Path | None
         f = first[-1]
         return {"exit": 0, "command_to_first_step_s": f.get("since_command_s") or round(f["time"] - t0, 3),
                 "worker_first_step_s": f["seconds"], "wall_s": round(time.time() - t0, 1),
+                "evicted_GB": round(evicted / 1e9, 2),
                 **{k: f.get(k) for k in ("compile_cache", "startup_s", "compile_s", "graph_cache")}}
 
     try:
