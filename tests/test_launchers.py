@@ -1041,3 +1041,11 @@ def test_no_test_reads_anything_beside_the_repository():
     found = [f"{p.name}:{i}" for p in sorted((ROOT / "tests").rglob("*.py")) for i, line in enumerate(p.read_text().splitlines(), 1)
              if beside.search(line)]
     assert found == []
+
+
+def test_the_component_names_the_mounts_variable_the_supervisor_reads():
+    """components.py cannot import the trainer (torchx runs its text from a venv that may lack it):
+    its copy of the variable's name must be the contract's."""
+    from trainer import components, contract
+
+    assert components.MOUNTS_ENV == contract.MOUNTS_ENV

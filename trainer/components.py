@@ -27,14 +27,13 @@ import torchx.specs as specs
 from torchx.components.dist import parse_nnodes
 from torchx.specs import macros
 
-try:  # dst=volume pairs the job expects mounted: the supervisor stops in one line where a scheduler dropped them
-    from trainer.contract import MOUNTS_ENV
-except ImportError:  # torchx loads this file by its path, maybe from a venv without the trainer (make tools)
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from trainer.contract import MOUNTS_ENV
-
 DEFAULT_IMAGE = "ghcr.io/cluster-trainer/cluster-trainer:0.1.0"
 RDZV_PORT = 29500
+MOUNTS_ENV = "TRAINER_MOUNTS"
+"""trainer.contract.MOUNTS_ENV, written out: torchx runs this file's text in its own module's globals,
+from a venv that may not hold the trainer, so nothing here imports it (test_launchers checks they agree).
+The dst=volume pairs the job expects mounted: the supervisor stops in one line where a scheduler
+dropped them."""
 
 
 def _mounts(checkpoint_mount: str, checkpoint_root: str, data_mount: str, data_dir: str, mount_type: str) -> List[str]:
