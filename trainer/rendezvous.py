@@ -34,6 +34,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
+from trainer import contract
 from trainer.config import load_config, node_range
 from trainer.contract import EXIT_CRASH, EXIT_DIR_ENV
 from trainer.procs import has_children, kill_children
@@ -167,7 +168,7 @@ class Reporter:
         self.host, self.port = host or endpoint, int(port or 29400)
         self.endpoint, self.run_id, self.join_timeout_s = endpoint, run_id, join_timeout_s
         self.min_nodes, self.max_nodes = node_range(nnodes)
-        self.say = say or (lambda line: say(line))
+        self.say = say or contract.say
         self.members: list[str] = []
         """The nodes of the group that ran last (host names)."""
         self.left: list[str] = []
@@ -191,7 +192,11 @@ class Reporter:
         return self
 
     def close(self) -> None:
+        """Stop the thread and wait for it (seconds at most: one store connect): a thread still inside
+        the store's C++ client when the interpreter exits aborts the process (exit 134, not torchrun's)."""
         self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10.0)
 
     # ---------------------------------------------------------------------------------------------
     def state(self):
@@ -241,8 +246,8 @@ class Reporter:
                     if line := self.waiting_line(waited):
                         self.say(line)
                         said = now
-            except Exception:  # noqa: BLE001 - a store that does not answer: the supervisor's own watch acts on that
-                self._store = None
+            except (OSError, RuntimeError):  # a store that does not answer (torch's store errors are RuntimeErrors):
+                self._store = None  # the supervisor's own watch acts on that; a bug here still shows its traceback
 
     def waiting_line(self, waited_s: float) -> str:
         state = self.state()
