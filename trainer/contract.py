@@ -89,11 +89,20 @@ def record_start() -> None:
     record_exit(EXIT_RUNNING)
 
 
-def stopped_by_torchrun() -> bool:
+def stopped_by_torchrun(wait_s: float = 2.0) -> bool:
     """True in a supervised worker stopped by torchrun itself (a re-form of an elastic group: a node
-    joined or left), not by a signal to the job."""
+    joined or left), not by a signal to the job. Slurm signals every process of a step at once, so a
+    worker can reach this before the supervisor has marked the signal: the mark is waited for up to
+    ``wait_s`` (what a re-form pays, once, before its workers exit)."""
     folder = os.environ.get(EXIT_DIR_ENV)
-    return bool(folder) and not (Path(folder) / SIGNALLED).exists()
+    if not folder:
+        return False
+    deadline = time.monotonic() + wait_s
+    while not (Path(folder) / SIGNALLED).exists():
+        if time.monotonic() >= deadline:
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def say(line: str) -> None:
