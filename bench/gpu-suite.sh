@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU suite on a GPU host (one or two GPUs) without the repository's venv: installs the test
-# wheels in .whl/ (pytest, psutil and their needs; for a host without network), then runs
+# wheels in .whl/ if there are any (pytest, psutil and their needs, for a host without network), then runs
 # `pytest -m gpu` in its own session, so that a later command can wait for it and collect the log
 # and the figures (GPU_REPORT) from /tmp/gpu-suite.
 #   GPU_SUITE_COMMIT=abc1234 bash bench/gpu-suite.sh start [PYTEST_ARGS...]   # then: ... wait SECONDS
@@ -9,7 +9,9 @@ LOG=/tmp/gpu-suite
 case ${1:-start} in
   start)
     shift || true
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    if compgen -G '.whl/*.whl' > /dev/null; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    fi
     rm -rf "$LOG" && mkdir -p "$LOG"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$LOG/machine.txt"
     # a copy of the tree may have no git history: GPU_SUITE_COMMIT names the commit (else git says it)

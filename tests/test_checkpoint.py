@@ -154,6 +154,32 @@ def test_a_pickle_that_would_run_code_is_refused(tmp_path):
     assert not marker.exists()
 
 
+def test_the_space_probe_counts_every_model_without_importing_the_compiler():
+    # A run that does not compile (every CPU run) must not pay torch._dynamo's import for the
+    # probe's shape count, and the count is the model's own: a plain meta build (which imports it)
+    # gives the same parameter bytes.
+    code = """
+import json, sys, torch
+from trainer import checkpoint, models
+from trainer.config import load_config
+cfgs = [load_config(c, []) for c in ("configs/default.yaml", "configs/fast.yaml", "configs/seed.yaml")]
+got = [checkpoint.state_bytes(cfg) for cfg in cfgs]
+imported = "torch._dynamo" in sys.modules
+plain = []
+for cfg in cfgs:
+    with torch.device("meta"):
+        plain.append(sum(p.numel() * p.element_size() for p in models.build(cfg.model.name).parameters()))
+print(json.dumps({"got": got, "imported": imported, "plain": plain, "after": "torch._dynamo" in sys.modules}))
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env())
+    assert p.returncode == 0, p.stderr[-2000:]
+    r = json.loads(p.stdout.splitlines()[-1])
+    assert not r["imported"] and r["after"]  # the plain build does import it: the skip is what saves it
+    # default: ResNet-18, SGD with momentum (2 copies); seed: bf16 weights beside fp32 masters, no momentum (1.5)
+    assert r["got"][0] == 2 * r["plain"][0] and r["got"][2] == int(1.5 * r["plain"][2])
+    assert r["got"][1] == 3 * r["plain"][1]  # fast: momentum and Lookahead
+
+
 def test_write_probe_finds_unwritable_and_full_volumes(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
