@@ -125,6 +125,38 @@ def test_a_stop_signal_gives_75_with_a_checkpoint_of_that_step_and_a_relaunch_re
     assert again.returncode == 0 and f"resuming from {ckpt}/step-{step}" in again.stdout, again.stdout[-2000:] + again.stderr[-2000:]
 
 
+def catch_sigterm(ckpt: Path) -> list[psutil.Process]:
+    """The workers training into ``ckpt`` that have a SIGTERM handler of their own (/proc's SigCgt)."""
+    found = []
+    for p in trainers_on(ckpt):
+        try:
+            cmd = " ".join(p.cmdline())
+            caught = int(next(x for x in Path(f"/proc/{p.pid}/status").read_text().splitlines() if x.startswith("SigCgt:")).split()[1], 16)
+        except (psutil.Error, OSError, StopIteration):
+            continue
+        if " train " in f"{cmd} " and "trainer.torchrun" not in cmd and " launch " not in cmd and caught >> (signal.SIGTERM - 1) & 1:
+            found.append(p)
+    return found
+
+
+@pytest.mark.slow
+def test_a_stop_while_the_workers_start_gives_75_at_once_and_the_relaunch_trains(ckpt):
+    # Slurm's time limit or an eviction can come while the workers still import torch: that is a
+    # stop (75: Slurm requeues, nothing was trained to lose), not a crash (143 from the default action)
+    agent = launch(ckpt)
+    deadline = time.time() + 60
+    while len(catch_sigterm(ckpt)) < 2 and time.time() < deadline:  # handler up, torch's import (seconds) ahead
+        time.sleep(0.02)
+    agent.send_signal(signal.SIGTERM)
+    out = agent.communicate(timeout=120)[0]
+    assert agent.returncode == EXIT_PREEMPTED, out[-3000:]
+    assert re.search(r"rank 0 \(\S+\) stopped by SIGTERM while starting, before its first step: nothing to save; exit 75", out), out[-3000:]
+    assert "Traceback" not in out and "epoch 1/" not in out, out[-3000:]
+    assert not checkpoint.complete(ckpt) and gone(ckpt)
+    again = run(trainer_cmd("launch", "--nproc-per-node", "2", *TINY, f"checkpoint.dir={ckpt}", "train.epochs=1"), check=False)
+    assert again.returncode == 0 and "starting fresh" in again.stdout, again.stdout[-2000:] + again.stderr[-2000:]
+
+
 @pytest.mark.slow
 def test_a_second_ctrl_c_stops_at_once(ckpt):
     # the stop's save takes a minute here (a slow volume), so the second Ctrl-C lands inside it

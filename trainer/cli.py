@@ -24,7 +24,18 @@ import time
 import click
 
 from trainer.config import ConfigError, check_batch, check_devices, check_world_range, explain, load_config, to_yaml
-from trainer.contract import EXIT_CRASH, EXIT_USAGE, die_with_parent, record_exit, record_start, stamp_command_start, supervised
+from trainer.contract import (
+    EXIT_CRASH,
+    EXIT_USAGE,
+    StoppedStarting,
+    die_with_parent,
+    record_exit,
+    record_start,
+    stamp_command_start,
+    stop_while_starting,
+    stopped_while_starting,
+    supervised,
+)
 from trainer.supervisor import gpu_count, writable_home
 
 _LOCAL_RANK = re.compile(r"^--local[-_]rank(=(\d+))?$")
@@ -82,7 +93,15 @@ def train(config_file, overrides):
     started = time.perf_counter()
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: die with torchrun, never train on orphaned
         die_with_parent()
-    cfg = load_config(config_file, overrides)
+    stop_while_starting()  # a stop before the run's own handler: exit 75 at once (nothing to save yet)
+    try:
+        code = _train(load_config(config_file, overrides), started)
+    except StoppedStarting as e:
+        code = stopped_while_starting(str(e))
+    sys.exit(code)
+
+
+def _train(cfg, started: float) -> int:
     from pathlib import Path
 
     from trainer import crash
@@ -114,7 +133,7 @@ def train(config_file, overrides):
     finally:
         teardown()
     record_exit(code, line)
-    sys.exit(code)
+    return code
 
 
 @main.command("eval")

@@ -89,6 +89,41 @@ def record_start() -> None:
     record_exit(EXIT_RUNNING)
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
+"""What stops a worker with a checkpoint (trainer/stop.py); during its start-up, at once."""
+
+
+class StoppedStarting(BaseException):
+    """A stop signal before the worker's first step: a BaseException, so no crash handler takes it."""
+
+
+def stop_while_starting() -> None:
+    """Until the run's StopFlag takes the stop signals over (its first step is near), one ends the
+    worker at once: it has trained nothing since the newest checkpoint, so there is nothing to save
+    and nothing is lost. A preemption or a time limit that comes while the workers still import
+    torch, restore or compile is then a stop (exit 75, resume me), not a crash that no launcher
+    retries (Slurm requeues a job after 75 only)."""
+
+    def on_signal(signum, frame):
+        raise StoppedStarting(signal.Signals(signum).name)
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, on_signal)
+
+
+def stopped_while_starting(signal_name: str) -> int:
+    """The worker's end after :func:`stop_while_starting`'s signal: one line per node, the exit
+    recorded for the supervisor; returns EXIT_PREEMPTED."""
+    import socket
+
+    line = (f"rank {os.environ.get('RANK', '0')} ({socket.gethostname()}) stopped by {signal_name} while starting, before its first "
+            f"step: nothing to save; exit {EXIT_PREEMPTED}, the next start resumes from the newest checkpoint")
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        say(line)
+    record_exit(EXIT_PREEMPTED, line)
+    return EXIT_PREEMPTED
+
+
 def stopped_by_torchrun(wait_s: float = 2.0) -> bool:
     """True in a supervised worker stopped by torchrun itself (a re-form of an elastic group: a node
     joined or left), not by a signal to the job. Slurm signals every process of a step at once, so a

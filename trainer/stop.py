@@ -21,9 +21,8 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
+from trainer.contract import STOP_SIGNALS
 from trainer.runtime import Runtime
-
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
 
 
 class StopFlag:
