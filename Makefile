@@ -61,11 +61,12 @@ run-local: venv
 test: venv
 	$(BIN)/python -m pytest -q -m "not slow and not gpu and not container" -n $(TEST_WORKERS) --durations=10
 
-## (SLOW_WORKERS side by side: most slow tests wait on timeouts, links and Slurm; a test file's tests
-## stay on one worker, in order: those of test_slurm.py share the one-node cluster; every bed of
-## network-namespace hosts is a test's own; then a check that no bed or process of one is left)
+## (SLOW_WORKERS side by side: most slow tests wait on timeouts, links and Slurm; each test goes to
+## the next free worker, but those of test_slurm.py, which share the one-node cluster, stay on one
+## (tests/conftest.py); every bed of network-namespace hosts is a test's own; then a check that no
+## bed or process of one is left)
 test-slow: venv $(CHECKOV)
-	$(BIN)/python -m pytest -q -m "slow and not gpu and not container" -n $(SLOW_WORKERS) --dist loadfile --durations=10
+	$(BIN)/python -m pytest -q -m "slow and not gpu and not container" -n $(SLOW_WORKERS) --dist loadgroup --durations=10
 	$(BIN)/python tests/hosts.py --check
 
 test-all: venv $(CHECKOV)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from filelock import FileLock
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST_DATA_ENV = "TRAINER_TEST_DATA"
@@ -48,6 +50,46 @@ def jpegs(tmp_path_factory) -> Path:
         return Path(given)
     return make_jpegs(tmp_path_factory.mktemp("jpegs"))
 
+def made_once(tmp_path_factory, name: str, make) -> Path:
+    """A folder ``make(folder)`` fills once for the whole run: under pytest-xdist the first worker
+    that asks makes it (the others wait on a lock and reuse it), as a module fixture would be made
+    again on every worker that runs one of the module's tests."""
+    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # the same in every worker of one run
+    root = tmp_path_factory.getbasetemp().parent / f"shared-{run_id}" if run_id else tmp_path_factory.getbasetemp()
+    folder = root / name
+    root.mkdir(exist_ok=True)
+    with FileLock(f"{folder}.lock"):
+        if not (root / f"{name}.done").exists():
+            shutil.rmtree(folder, ignore_errors=True)  # what a worker that failed to make it left
+            folder.mkdir()
+            make(folder)
+            (root / f"{name}.done").touch()
+    return folder
+
+
+ONE_WORKER = ("tests/test_slurm.py",)
+"""Test files whose tests run on one worker, in order, under ``--dist loadgroup``: those of
+test_slurm.py share the machine's one-node cluster (a second job would queue behind the first)."""
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup`` (make test-slow): each test to whichever worker is free, except that the
+    tests of a file in ONE_WORKER go together (pytest-xdist's own ``xdist_group`` mark does not reach
+    pytest 9's node ids). Most long tests wait on links, timeouts and Slurm: spread test by test, a
+    file of long ones no longer holds one worker while the others are done."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByTest(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0]
+            return file if file in ONE_WORKER else nodeid
+
+    return ByTest(config, log)
+
+
 # A seconds-long run: no batch norm (so data-parallel equals one process), synthetic data.
 TINY = [
     "model.name=tinynet", "data.name=synthetic", "data.synthetic_train_size=512", "data.synthetic_test_size=200",
@@ -59,6 +101,13 @@ TINY = [
 # weights and fp32 masters
 DDP_12_STEPS = ["train.strategy=ddp", "model.channels_last=true", "train.max_steps=12", "checkpoint.every_epochs=0"]
 BF16_DDP = [*DDP_12_STEPS, "train.precision=bf16", "train.param_dtype=bf16"]
+
+
+def slow_steps(seconds: float) -> dict[str, str]:
+    """Steps of at least ``seconds`` on rank 0 (the others wait for it), as variables of a job: a
+    tiny job that lasts long enough to be disturbed while it mostly sleeps (the long suite runs
+    many jobs side by side on a small machine: CPU is what it runs short of)."""
+    return {"TRAINER_FAULT": f"batch:slow={seconds}", "TRAINER_FAULT_RANK": "0"}
 
 
 def env(**extra: str) -> dict[str, str]:
@@ -163,10 +212,14 @@ def pytest_testnodedown(node, error):
 def pytest_terminal_summary(terminalreporter):
     if not FAULT_RESULTS:
         return
-    width = max(len(c) for c, _, _ in FAULT_RESULTS)
+    table: dict[str, list[int]] = {}  # a case's trials, from whichever worker ran them
+    for case, n, ok in FAULT_RESULTS:
+        row = table.setdefault(case, [0, 0])
+        row[0], row[1] = row[0] + n, row[1] + ok
+    width = max(len(c) for c in table)
     terminalreporter.section("fault injection")
     terminalreporter.write_line(f"{'case'.ljust(width)}  trials  passed")
-    for case, n, ok in FAULT_RESULTS:
+    for case, (n, ok) in table.items():
         terminalreporter.write_line(f"{case.ljust(width)}  {n:>6}  {ok:>6}")
     total, passed = sum(n for _, n, _ in FAULT_RESULTS), sum(ok for _, _, ok in FAULT_RESULTS)
     terminalreporter.write_line(f"{'total'.ljust(width)}  {total:>6}  {passed:>6}")

@@ -249,9 +249,9 @@ def test_a_full_volume_during_training_stops_with_exit_2_and_one_line(tmp_path):
     ck = tmp_path / "ck"
     from conftest import TINY, trainer_cmd
 
-    p = subprocess.run(trainer_cmd("train", *TINY, f"checkpoint.dir={ck}", "train.epochs=2", "optim.momentum=0.9", "model.name=resnet18"), capture_output=True, text=True,
-                       cwd=ROOT, env=env(), preexec_fn=limit, timeout=120)
+    p = subprocess.run(trainer_cmd("train", *TINY, f"checkpoint.dir={ck}", "train.epochs=1", "checkpoint.every_steps=2", "optim.momentum=0.9",
+                                   "model.name=resnet18"), capture_output=True, text=True, cwd=ROOT, env=env(), preexec_fn=limit, timeout=300)
     errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
     assert p.returncode == 2 and len(errors) == 1, p.stderr[-2000:]
-    assert "could not write checkpoint step-16" in errors[0] and "no complete checkpoint exists yet" in errors[0] and "Traceback" not in p.stderr
+    assert "could not write checkpoint step-2" in errors[0] and "no complete checkpoint exists yet" in errors[0] and "Traceback" not in p.stderr
     assert not list(ck.glob("step-*")) and not list(ck.glob(".tmp-*"))

@@ -11,11 +11,12 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY, env, newest, record_fault, run, torchrun_cmd, trainer_cmd, tree_files, weights, workers
+from conftest import ROOT, TINY, env, made_once, newest, record_fault, run, torchrun_cmd, trainer_cmd, tree_files, weights, workers
 
 pytestmark = pytest.mark.slow
 
@@ -51,35 +52,39 @@ def drive(agent: subprocess.Popen, on_line=None, timeout: float = 300) -> str:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict[str, torch.Tensor]:
     """The uninterrupted run every faulted run must reproduce bit for bit."""
-    ckpt = tmp_path_factory.mktemp("reference")
-    out = drive(start(ckpt))
-    assert f"done: step {STEPS}" in out, out
-    return weights(ckpt / f"step-{STEPS}")
+    def make(ckpt: Path) -> None:
+        out = drive(start(ckpt))
+        assert f"done: step {STEPS}" in out, out
+
+    return weights(made_once(tmp_path_factory, "faults-reference", make) / f"step-{STEPS}")
 
 
 def same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def trials(case: str, n: int, trial) -> None:
-    results = []
-    for i in range(n):
-        try:
-            trial(i)
-            results.append(None)
-        except AssertionError as e:
-            results.append(e)
-    record_fault(case, n, sum(r is None for r in results))
-    failures = [r for r in results if r is not None]
-    assert not failures, f"{case}: {len(failures)}/{n} trials failed; first: {failures[0]}"
+@contextmanager
+def trial(case: str):
+    """One trial of a fault case, counted in the table (a case's trials are tests of their own, run
+    side by side by the workers)."""
+    try:
+        yield
+    except BaseException:
+        record_fault(case, 1, 0)
+        raise
+    record_fault(case, 1, 1)
 
 
-def test_sigkill_of_a_rank_at_a_random_step_restarts_and_matches(tmp_path, reference):
-    rng = random.Random(1)
+def draws(seed: int, n: int, draw) -> list:
+    """n random choices of the trials of a case, the same on every run and every worker."""
+    rng = random.Random(seed)
+    return [draw(rng) for _ in range(n)]
 
-    def trial(i):
-        ckpt = tmp_path / f"t{i}"
-        target, victim = rng.randint(4, STEPS - 4), rng.randint(0, 1)
+
+@pytest.mark.parametrize("target,victim", draws(1, 4, lambda r: (r.randint(4, STEPS - 4), r.randint(0, 1))))
+def test_sigkill_of_a_rank_at_a_random_step_restarts_and_matches(tmp_path, reference, target, victim):
+    with trial("SIGKILL one of two ranks at a random step (torchrun restarts)"):
+        ckpt = tmp_path / "ckpt"
         agent, killed = start(ckpt), []
 
         def on_line(line):
@@ -95,15 +100,12 @@ def test_sigkill_of_a_rank_at_a_random_step_restarts_and_matches(tmp_path, refer
         assert "resuming from" in out, out[-2000:]
         assert same(weights(newest(ckpt)), reference), "weights differ from the uninterrupted run"
 
-    trials("SIGKILL one of two ranks at a random step (torchrun restarts)", 4, trial)
 
-
-def test_sigterm_stops_every_rank_saves_that_step_and_resumes(tmp_path, reference):
-    rng = random.Random(2)
-
-    def trial(i):
-        ckpt = tmp_path / f"t{i}"
-        target, agent, sent = rng.randint(3, STEPS - 3), start(ckpt), []
+@pytest.mark.parametrize("target", draws(2, 3, lambda r: r.randint(3, STEPS - 3)))
+def test_sigterm_stops_every_rank_saves_that_step_and_resumes(tmp_path, reference, target):
+    with trial("SIGTERM during training: checkpoint of that step, resume matches"):
+        ckpt = tmp_path / "ckpt"
+        agent, sent = start(ckpt), []
 
         def on_line(line):
             step = global_step(line)
@@ -120,13 +122,11 @@ def test_sigterm_stops_every_rank_saves_that_step_and_resumes(tmp_path, referenc
         assert f"step-{stopped.group(1)}" in out2 and "resuming from" in out2
         assert same(weights(newest(ckpt)), reference)
 
-    trials("SIGTERM during training: checkpoint of that step, resume matches", 3, trial)
 
-
-def test_sigterm_during_a_save(tmp_path, reference):
-    def trial(i):
-        ckpt = tmp_path / f"t{i}"
-        save_step = 6 + 3 * i
+@pytest.mark.parametrize("save_step", [6, 9])
+def test_sigterm_during_a_save(tmp_path, reference, save_step):
+    with trial("SIGTERM during a save: both checkpoints complete, resume matches"):
+        ckpt = tmp_path / "ckpt"
         agent = start(ckpt, extra_env={"TRAINER_FAULT": f"before-rename@{save_step}:sleep=2"})
         sent = []
 
@@ -149,29 +149,26 @@ def test_sigterm_during_a_save(tmp_path, reference):
         run(torchrun_cmd(2, "train", *JOB, f"checkpoint.dir={ckpt}"))
         assert same(weights(newest(ckpt)), reference)
 
-    trials("SIGTERM during a save: both checkpoints complete, resume matches", 2, trial)
 
-
-def test_rank0_killed_between_write_and_rename(tmp_path, reference):
-    def trial(i):
-        ckpt = tmp_path / f"t{i}"
-        crash_step = 6 + 6 * i
+@pytest.mark.parametrize("crash_step", [6, 12])
+def test_rank0_killed_between_write_and_rename(tmp_path, reference, crash_step):
+    with trial("rank 0 SIGKILLed between write and rename: previous checkpoint used"):
+        ckpt = tmp_path / "ckpt"
         out = drive(start(ckpt, extra_env={"TRAINER_FAULT": f"before-rename@{crash_step}:kill"}))
         assert "resuming from" in out and f"step-{crash_step - 3}" in out, out[-2000:]
         assert not list(ckpt.glob(".tmp-*")), "the half-written save was cleaned up"
         assert same(weights(newest(ckpt)), reference)
 
-    trials("rank 0 SIGKILLed between write and rename: previous checkpoint used", 2, trial)
 
-
-def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, reference):
-    def trial(i):
-        ckpt = tmp_path / f"t{i}"
+@pytest.mark.parametrize("damage", ["truncated", "flipped"])
+def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, reference, damage):
+    with trial("truncated or flipped newest checkpoint: resume from the previous"):
+        ckpt = tmp_path / "ckpt"
         assert f"done: step {STEPS}" in drive(start(ckpt))
         state = ckpt / f"step-{STEPS}" / "state.pt"
         raw = bytearray(state.read_bytes())
-        if i == 0:
-            raw = raw[: len(raw) // 3]  # truncated
+        if damage == "truncated":
+            raw = raw[: len(raw) // 3]
         else:
             raw[len(raw) // 2] ^= 0x55  # one flipped byte
         state.write_bytes(bytes(raw))
@@ -181,12 +178,11 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, referenc
         assert (ckpt / f"step-{STEPS}.corrupt").is_dir()
         assert same(weights(newest(ckpt)), reference)
 
-    trials("truncated or flipped newest checkpoint: resume from the previous", 2, trial)
 
-
-def test_a_silent_rank_times_out_instead_of_hanging(tmp_path, reference):
-    def trial(i):
-        ckpt = tmp_path / f"t{i}"
+@pytest.mark.parametrize("trial_no", [1, 2])
+def test_a_silent_rank_times_out_instead_of_hanging(tmp_path, reference, trial_no):
+    with trial("a rank stops answering (SIGSTOP): timeout, restart, resume"):
+        ckpt = tmp_path / "ckpt"
         agent = start(ckpt, "dist.timeout_s=5")
         stopped = []
 
@@ -203,8 +199,6 @@ def test_a_silent_rank_times_out_instead_of_hanging(tmp_path, reference):
         assert re.search(r"(?i)timed? ?out", out), "the collective timeout turned the hang into an error"
         assert "resuming from" in out and time.time() - t0 < 200
         assert same(weights(newest(ckpt)), reference)
-
-    trials("a rank stops answering (SIGSTOP): timeout, restart, resume", 2, trial)
 
 
 # ------------------------------------------------------------------------------------------------

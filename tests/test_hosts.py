@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY, env, newest, weights
+from conftest import ROOT, TINY, env, made_once, newest, weights
 from hosts import Bed
 
 from trainer.contract import EXIT_PREEMPTED
@@ -91,11 +91,11 @@ def both_finish(nodes: list[Proc], timeout: float = 300) -> None:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict[str, torch.Tensor]:
     """The same job uninterrupted across two hosts: what every faulted run must end with, bit for bit."""
-    ckpt = tmp_path_factory.mktemp("reference")
-    with Bed(2) as b:
-        nodes = [node(b, h, ckpt, "ref") for h in b.names]
-        both_finish(nodes)
-    return weights(ckpt / f"step-{STEPS}")
+    def make(ckpt: Path) -> None:
+        with Bed(2) as b:
+            both_finish([node(b, h, ckpt, "ref") for h in b.names])
+
+    return weights(made_once(tmp_path_factory, "hosts-reference", make) / f"step-{STEPS}")
 
 
 def same(a: dict, b: dict) -> bool:

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, env
+from conftest import ROOT, env, slow_steps
 from hosts import Bed, SlurmCluster
 
 pytestmark = pytest.mark.slow
@@ -30,9 +30,9 @@ def slurm(tmp_path):
     assert not b.leftovers()
 
 
-def sbatch(cluster: SlurmCluster, tmp: Path, run_name: str, *overrides: str) -> str:
+def sbatch(cluster: SlurmCluster, tmp: Path, run_name: str, *overrides: str, environ: dict | None = None) -> str:
     env = {"NPROC_PER_NODE": "1", "CONFIG": "configs/smoke.yaml", "RUN_NAME": run_name, "SHARED_DIR": str(tmp), "OMP_NUM_THREADS": "1",
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", **(environ or {})}
     p = cluster.run("sbatch", "--parsable", "--nodes=2", "--gpus-per-node=0", f"--cpus-per-task={os.cpu_count() or 2}", f"--output={tmp}/slurm-%j.out",
                     "slurm/ddp.sh", "train.plot=false", "train.log_every=4", "dist.hang_timeout_s=20", *overrides, env=env, cwd=ROOT)
     assert p.returncode == 0, p.stderr
@@ -92,7 +92,7 @@ def test_an_elastic_slurm_job_goes_on_without_a_failed_node(tmp_path):
 
 
 def test_a_lost_slurm_node_requeues_the_job_and_it_resumes_when_the_node_is_back(slurm, tmp_path):
-    job = sbatch(slurm, tmp_path, "lost", "train.epochs=60", "checkpoint.every_steps=16")
+    job = sbatch(slurm, tmp_path, "lost", "train.epochs=8", "checkpoint.every_steps=16", environ=slow_steps(0.05))
     metrics = tmp_path / "checkpoints" / "lost" / "metrics.jsonl"
     deadline = time.time() + 180
     while time.time() < deadline and not (metrics.exists() and metrics.read_text().count('"event": "checkpoint"') >= 2):
@@ -107,7 +107,7 @@ def test_a_lost_slurm_node_requeues_the_job_and_it_resumes_when_the_node_is_back
     slurm.start_node("node1")  # the node reboots and its slurmd registers again
     assert wait_for(slurm, job, timeout=400) == "COMPLETED", (tmp_path / f"slurm-{job}.out").read_text()[-4000:]
     out = (tmp_path / f"slurm-{job}.out").read_text()
-    assert int(slurm.job_field(job, "Restarts")) >= 1 and "resuming from" in out and "done: step 1920" in out, out[-3000:]
+    assert int(slurm.job_field(job, "Restarts")) >= 1 and "resuming from" in out and "done: step 256" in out, out[-3000:]
     records = [json.loads(x) for x in metrics.read_text().splitlines()]
     resumed = next(i for i, r in enumerate(records) if r.get("event") == "start" and r.get("resumed_from"))
     t_next = next(r["time"] for r in records[resumed:] if r.get("event") == "log")
@@ -130,7 +130,7 @@ def preempt_once_training(cluster: SlurmCluster, tmp: Path, metrics: Path) -> No
 def test_slurm_preemption_stops_both_nodes_with_75_and_the_requeued_job_resumes(slurm, tmp_path):
     """A job of a higher partition takes both nodes: Slurm signals every step of ours (SIGTERM, with
     GraceTime), requeues the job, and starts it again once the nodes are free."""
-    job = sbatch(slurm, tmp_path, "pre", "train.epochs=40", "checkpoint.every_steps=16")
+    job = sbatch(slurm, tmp_path, "pre", "train.epochs=8", "checkpoint.every_steps=16", environ=slow_steps(0.05))
     metrics = tmp_path / "checkpoints" / "pre" / "metrics.jsonl"
     preempt_once_training(slurm, tmp_path, metrics)
     assert wait_for(slurm, job, timeout=400) == "COMPLETED", (tmp_path / f"slurm-{job}.out").read_text()[-4000:]
@@ -138,7 +138,7 @@ def test_slurm_preemption_stops_both_nodes_with_75_and_the_requeued_job_resumes(
     assert out.count("the workers saved a checkpoint: exit 75") == 2, out[-4000:]  # every node's supervisor
     stopped = re.search(r"stopped by SIGTERM at step (\d+); checkpoint saved", out)
     assert stopped and int(slurm.job_field(job, "Restarts")) >= 1, out[-4000:]
-    assert f"resuming from {tmp_path}/checkpoints/pre/step-{stopped.group(1)}" in out and "done: step 1280" in out, out[-4000:]
+    assert f"resuming from {tmp_path}/checkpoints/pre/step-{stopped.group(1)}" in out and "done: step 256" in out, out[-4000:]
 
 
 def test_a_two_node_torchx_job_saves_before_its_time_limit_requeues_itself_and_resumes(slurm, tmp_path):
@@ -149,7 +149,7 @@ def test_a_two_node_torchx_job_saves_before_its_time_limit_requeues_itself_and_r
     from test_slurm import saved_before_first_resume, starts, torchx_job_id, torchx_slurm_cmd
 
     cmd = torchx_slurm_cmd(tmp_path, "train.epochs=2000", nproc=1, nnodes=2)
-    job = torchx_job_id(slurm.run(*cmd, env=env(), cwd=tmp_path, timeout=120))
+    job = torchx_job_id(slurm.run(*cmd, env=env(**slow_steps(0.05)), cwd=tmp_path, timeout=120))
     try:
         deadline = time.time() + 300
         while time.time() < deadline and len(starts(tmp_path)) < 2:
@@ -173,11 +173,11 @@ def test_a_preempted_torchx_job_saves_requeues_itself_and_resumes(slurm, tmp_pat
     free again."""
     from test_slurm import records, saved_before_first_resume, starts, torchx_job_id, torchx_slurm_cmd
 
-    cmd = torchx_slurm_cmd(tmp_path, "train.epochs=40", "checkpoint.every_steps=16", minutes=None, nproc=1, nnodes=nnodes)
+    cmd = torchx_slurm_cmd(tmp_path, "train.epochs=8", "checkpoint.every_steps=16", minutes=None, nproc=1, nnodes=nnodes)
     if not supervised:
         i = cmd.index("--env") + 1
         cmd[i] += ",TRAINER_SLURM_SUPERVISE=0"
-    job = torchx_job_id(slurm.run(*cmd, env=env(), cwd=tmp_path, timeout=120))  # torchx writes .torchxslurmjobdirs here
+    job = torchx_job_id(slurm.run(*cmd, env=env(**slow_steps(0.05)), cwd=tmp_path, timeout=120))  # torchx writes .torchxslurmjobdirs here
     metrics = tmp_path / "ck" / "run" / "metrics.jsonl"
     preempt_once_training(slurm, tmp_path, metrics)
     state = wait_for(slurm, job, timeout=400)
@@ -190,4 +190,4 @@ def test_a_preempted_torchx_job_saves_requeues_itself_and_resumes(slurm, tmp_pat
     assert state == "COMPLETED" and int(slurm.job_field(job, "Restarts")) >= 1, f"{state}\n{logs}"  # the requeued run's log replaced the first's
     first, *again = starts(tmp_path)
     assert first == 0 and again == [saved[-1]], (again, saved)  # resumed from the save the preemption made
-    assert rows[-1].get("event") != "start" and any(r.get("event") == "epoch" and r.get("epoch") == 40 for r in rows), rows[-3:]
+    assert rows[-1].get("event") != "start" and any(r.get("event") == "epoch" and r.get("epoch") == 8 for r in rows), rows[-3:]

@@ -23,7 +23,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from conftest import ROOT, env, free_port, run
+from conftest import ROOT, env, free_port, made_once, run, slow_steps
 
 sys.path.insert(0, str(ROOT / "k8s"))  # render.py, the manifests' renderer
 
@@ -491,8 +491,7 @@ class Pods:
         self.procs.clear()
 
 
-SLOW_STEPS = {"TRAINER_FAULT": "batch:slow=0.1", "TRAINER_FAULT_RANK": "0"}
-"""Tenth-of-a-second steps on rank 0 (the others wait for it): a tiny job that lasts long enough to be disturbed."""
+SLOW_STEPS = slow_steps(0.1)
 
 
 def pytorchjob_pods(job: dict, paths: dict[str, Path], extra: list[str], environ: dict[str, str] | None = None) -> dict:
@@ -518,41 +517,54 @@ def exitcode_policy(pod: str, code: int, disrupted: bool) -> str:
     return "done" if code == 0 else "replace" if code >= 128 else "fail"
 
 
-@pytest.mark.slow
-def test_operator_simulation_keeps_the_exit_contract_under_the_exitcode_policy(tmp_path):
-    """The PyTorchJob's own commands, run as the operator would (1 process a pod). An evicted pod
-    saves and exits 203 (75 + 128): the operator replaces it, the job resumes and succeeds. Bad
-    input exits 2: the job fails at once, nothing retried. A crash that repeats with no newer
-    checkpoint is retried (129) until the node's third, which exits 1 and fails the job."""
-    job = next(d for d in manifests("multi-node") if d["kind"] == "PyTorchJob")
+def volumes(root: Path) -> dict[str, Path]:
+    """The pods' volumes (checkpoints, data) as folders here."""
+    paths = {"/checkpoints": root / "checkpoints", "/data": root / "data"}
+    for p in paths.values():
+        p.mkdir(parents=True)
+    return paths
+
+
+def operator_job(folder: str) -> tuple[dict, dict]:
+    """The PyTorchJob a job folder ships, admitted, its master's port a free one here; and the
+    master's container. The operator simulations: the job's own commands, run as the training
+    operator would (1 CPU process a pod on this small machine), under the ExitCode policy."""
+    job = next(d for d in manifests(folder) if d["kind"] == "PyTorchJob")
     admit(job)
-    job["spec"]["nprocPerNode"] = "1"  # one CPU process per pod on this 2-core machine
     master = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
     master["ports"][0]["containerPort"] = free_port()
+    return job, master
 
-    def volumes(case: str) -> dict[str, Path]:
-        paths = {"/checkpoints": tmp_path / case / "checkpoints", "/data": tmp_path / case / "data"}
-        for p in paths.values():
-            p.mkdir(parents=True)
-        return paths
 
-    paths = volumes("evicted")
-    pods = Pods(tmp_path / "evicted", pytorchjob_pods(job, paths, ["train.epochs=4"], SLOW_STEPS))
+@pytest.mark.slow
+def test_operator_simulation_an_evicted_pod_exits_203_is_replaced_and_the_job_resumes(tmp_path):
+    """An evicted pod saves and exits 203 (75 + 128): the operator replaces it, the job resumes and succeeds."""
+    job, _ = operator_job("multi-node")
+    job["spec"]["nprocPerNode"] = "1"
+    paths = volumes(tmp_path)
+    pods = Pods(tmp_path, pytorchjob_pods(job, paths, ["train.epochs=4"], SLOW_STEPS))
     assert pods.run(exitcode_policy, [("master-0", r"epoch 2/4 step", "evict:worker-0")]) == "Succeeded"
     assert pods.codes["worker-0"] == [203, 0] and "exit 203 (run the same command to resume)" in pods.out("worker-0", 0)
-    assert "resuming from" in pods.out("master-0") and (paths["/checkpoints"] / "cifar-ddp" / "step-64" / "state.pt").is_file()
+    # rank 0 (which prints) is on whichever pod the re-formed group gave it to
+    assert "resuming from" in pods.out("master-0") + pods.out("worker-0") and (paths["/checkpoints"] / "cifar-ddp" / "step-64" / "state.pt").is_file()
 
-    pods = Pods(tmp_path / "bad", pytorchjob_pods(job, volumes("bad"), ["train.epochs=4", "train.epoch=3"]))
+
+@pytest.mark.slow
+def test_operator_simulation_bad_input_exits_2_and_fails_the_job_with_nothing_retried(tmp_path):
+    job, _ = operator_job("multi-node")
+    job["spec"]["nprocPerNode"] = "1"
+    pods = Pods(tmp_path, pytorchjob_pods(job, volumes(tmp_path), ["train.epochs=4", "train.epoch=3"]))
     assert pods.run(exitcode_policy) == "Failed"
     assert 2 in pods.codes["master-0"] + pods.codes["worker-0"] and all(len(c) <= 1 for c in pods.codes.values())
 
-    single = next(d for d in manifests("single-gpu") if d["kind"] == "PyTorchJob")
-    admit(single)
-    c = single["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
-    c["ports"][0]["containerPort"] = free_port()
-    c["args"] = [a if not a.startswith("--max-restarts") else "--max-restarts=0" for a in c["args"]]  # each crash reaches the operator
-    pods = Pods(tmp_path / "crash", pytorchjob_pods(single, volumes("crash"), ["train.epochs=4"],
-                                                    {"TRAINER_FAULT": "batch@5:kill", "TRAINER_FAULT_RANK": "0"}))
+
+@pytest.mark.slow
+def test_operator_simulation_a_crash_without_progress_is_retried_until_the_third_fails_the_job(tmp_path):
+    """A crash that repeats with no newer checkpoint is retried (129) until the node's third, which
+    exits 1 and fails the job."""
+    job, master = operator_job("single-gpu")
+    master["args"] = [a if not a.startswith("--max-restarts") else "--max-restarts=0" for a in master["args"]]  # each crash reaches the operator
+    pods = Pods(tmp_path, pytorchjob_pods(job, volumes(tmp_path), ["train.epochs=4"], {"TRAINER_FAULT": "batch@5:kill", "TRAINER_FAULT_RANK": "0"}))
     assert pods.run(exitcode_policy) == "Failed"
     assert pods.codes["master-0"] == [129, 129, 1], pods.codes
     assert "cifar-single-master-0: 3 crashes in a row before any checkpoint, no progress: exit 1" in pods.out("master-0")
@@ -635,34 +647,38 @@ def test_the_runtime_keeps_the_exit_contract_in_its_pod_failure_policy():
     assert [controller("p", 1, False) for _ in range(3)] == ["replace", "replace", "fail"]  # the 5th crash fails the job
 
 
-@pytest.mark.slow
-def test_trainer_v2_simulation_runs_the_trainjob_keeps_the_contract_and_resumes(tmp_path):
+def trainjob_case(root: Path, extra: list[str], environ: dict | None = None) -> tuple[Pods, JobController, Path]:
     """The TrainJob's runtime commands, run as the Trainer and the Job controller would (2 nodes, 1
-    process each). An evicted pod (SIGTERM, DisruptionTarget) saves; 75 is ignored, the pods are
-    replaced and resume. A pod killed outright (137) counts once and is replaced; the job finishes.
-    Bad input fails the job at once, no pod replaced."""
+    process each): its pods, the controller, its checkpoint folder."""
     runtime, trainjob = manifests("trainjob")
     trainjob["spec"]["trainer"]["numProcPerNode"] = 1
     job_spec = runtime["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]
+    paths = volumes(root)
+    pods = Pods(root, trainjob_pods(runtime, trainjob, paths, extra, free_port(), environ))
+    return pods, JobController(job_spec), paths["/checkpoints"] / trainjob["metadata"]["name"]
 
-    def case(name: str, extra: list[str], environ: dict | None = None) -> tuple[Pods, JobController, Path]:
-        paths = {"/checkpoints": tmp_path / name / "checkpoints", "/data": tmp_path / name / "data"}
-        for p in paths.values():
-            p.mkdir(parents=True)
-        pods = Pods(tmp_path / name, trainjob_pods(runtime, trainjob, paths, extra, free_port(), environ))
-        return pods, JobController(job_spec), paths["/checkpoints"] / trainjob["metadata"]["name"]
 
-    pods, controller, ckpt = case("evicted", ["train.epochs=4"], SLOW_STEPS)
+@pytest.mark.slow
+def test_trainer_v2_simulation_an_evicted_pod_is_ignored_replaced_and_the_trainjob_resumes(tmp_path):
+    """An evicted pod (SIGTERM, DisruptionTarget) saves; 75 is ignored, the pods are replaced and resume."""
+    pods, controller, ckpt = trainjob_case(tmp_path, ["train.epochs=4"], SLOW_STEPS)
     assert pods.run(controller, [("node-0", r"epoch 2/4 step", "evict:node-1")]) == "Succeeded"
     assert ("node-1", 75, "Ignore") in controller.log and controller.failures == 0, controller.log
-    assert "strategy ddp x2" in pods.out("node-0") and "resuming from" in pods.out("node-0") and (ckpt / "step-64" / "state.pt").is_file()
+    last = pods.out("node-0") + pods.out("node-1")  # rank 0 (which prints) is on whichever pod the re-formed group gave it to
+    assert "strategy ddp x2" in last and "resuming from" in last and (ckpt / "step-64" / "state.pt").is_file()
 
-    pods, controller, ckpt = case("killed", ["train.epochs=4"], SLOW_STEPS)
+
+@pytest.mark.slow
+def test_trainer_v2_simulation_a_pod_killed_outright_counts_once_and_the_trainjob_finishes(tmp_path):
+    pods, controller, ckpt = trainjob_case(tmp_path, ["train.epochs=4"], SLOW_STEPS)
     assert pods.run(controller, [("node-0", r"epoch 2/4 step", "kill:node-1")]) == "Succeeded"
     assert ("node-1", 137, "Count") in controller.log and controller.failures == 1, controller.log
     assert (ckpt / "step-64" / "state.pt").is_file()
 
-    pods, controller, _ = case("bad", ["train.epochs=4", "train.epoch=3"])
+
+@pytest.mark.slow
+def test_trainer_v2_simulation_bad_input_fails_the_trainjob_at_once(tmp_path):
+    pods, controller, _ = trainjob_case(tmp_path, ["train.epochs=4", "train.epoch=3"])
     assert pods.run(controller) == "Failed"
     assert controller.log[0][1:] == (2, "FailJob") and all(len(c) <= 1 for c in pods.codes.values()), (controller.log, pods.codes)
 
@@ -883,10 +899,11 @@ def test_shared_memory_fits_in_the_pods_memory_limit(folder):
 @pytest.fixture(scope="module")
 def tools_venv(tmp_path_factory):
     """`make tools`: the cluster targets' own venv, built as a user's would be."""
-    venv = tmp_path_factory.mktemp("tools") / "venv"
-    p = subprocess.run(["make", "tools", f"TOOLS_VENV={venv}", f"PYTHON={sys.executable}"], cwd=ROOT, capture_output=True, text=True, env=env())
-    assert p.returncode == 0, p.stdout + p.stderr
-    return venv
+    def make(venv: Path) -> None:
+        p = subprocess.run(["make", "tools", f"TOOLS_VENV={venv}", f"PYTHON={sys.executable}"], cwd=ROOT, capture_output=True, text=True, env=env())
+        assert p.returncode == 0, p.stdout + p.stderr
+
+    return made_once(tmp_path_factory, "tools-venv", make)
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, slow_steps
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -63,8 +63,8 @@ def test_single_script_on_cpu_strategy_names_the_problem(tmp_path):
 
 
 def training_job(tmp_path: Path, run_name: str) -> str:
-    """A 40-epoch ddp.sh job, returned once it has logged a training step."""
-    job = sbatch("slurm/ddp.sh", tmp_path, "train.epochs=40", "train.log_every=4", wait=False, run_name=run_name)
+    """An 8-epoch ddp.sh job of steps of 50 ms or more (256 of them), returned once it has logged a training step."""
+    job = sbatch("slurm/ddp.sh", tmp_path, "train.epochs=8", "train.log_every=4", wait=False, run_name=run_name, extra_env=slow_steps(0.05))
     metrics = tmp_path / "checkpoints" / run_name / "metrics.jsonl"
     deadline = time.time() + 240
     while time.time() < deadline and not (metrics.exists() and '"event": "log"' in metrics.read_text()):
@@ -90,8 +90,8 @@ def test_usr1_before_the_time_limit_checkpoints_requeues_and_resumes(tmp_path):
     stopped = re.search(r"stopped by SIGTERM at step (\d+)", out)
     assert stopped, out
     assert f"step-{stopped.group(1)}" in out.split("requeueing")[1]  # the next run resumed from that step
-    assert "resuming from" in out and "done: step 1280" in out
-    assert (tmp_path / "checkpoints" / "pre" / "step-1280").is_dir()
+    assert "resuming from" in out and "done: step 256" in out
+    assert (tmp_path / "checkpoints" / "pre" / "step-256").is_dir()
 
 
 def test_a_plain_sigterm_to_the_job_step_ends_the_job_with_75_and_a_checkpoint(tmp_path):
@@ -147,13 +147,14 @@ def torchx_job_id(p: subprocess.CompletedProcess) -> str:
     return m.group(1)
 
 
-def torchx_slurm(tmp: Path, *overrides: str, max_retries: int = 0, margin_s: int = 95, minutes: int = 2) -> str:
-    """`torchx run -s slurm` on the one-node cluster; its job id."""
+def torchx_slurm(tmp: Path, *overrides: str, max_retries: int = 0, margin_s: int = 95, minutes: int = 2, environ: dict | None = None) -> str:
+    """`torchx run -s slurm` on the one-node cluster; its job id. The job's variables: ``environ``
+    (sbatch passes the submitter's on; torchx's --env takes no value with '=')."""
     from conftest import env
 
     cmd = torchx_slurm_cmd(tmp, *overrides, max_retries=max_retries, margin_s=margin_s, minutes=minutes)
     # torchx writes .torchxslurmjobdirs into its working folder
-    return torchx_job_id(subprocess.run(cmd, cwd=tmp, env=env(), capture_output=True, text=True, timeout=120))
+    return torchx_job_id(subprocess.run(cmd, cwd=tmp, env=env(**(environ or {})), capture_output=True, text=True, timeout=120))
 
 
 def records(tmp: Path) -> list[dict]:
@@ -177,7 +178,7 @@ def saved_before_first_resume(tmp: Path) -> list[int]:
 
 def test_torchx_job_saves_before_its_time_limit_requeues_itself_and_resumes(tmp_path):
     # a 2-minute job that stops 95 s before its limit; --max_retries 0, so TorchX's script requeues nothing
-    job = torchx_slurm(tmp_path, "train.epochs=2000")
+    job = torchx_slurm(tmp_path, "train.epochs=2000", environ=slow_steps(0.05))
     try:
         deadline = time.time() + 300
         while time.time() < deadline and len(starts(tmp_path)) < 2:
