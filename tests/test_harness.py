@@ -23,7 +23,7 @@ from pathlib import Path
 def record(name):
     time.sleep(0.3)
     with open(Path(__file__).parent.parent / "ran.txt", "a") as f:
-        f.write(f"{{os.environ['PYTEST_XDIST_WORKER']}} {{name}}\\n")
+        f.write(f"{os.environ['PYTEST_XDIST_WORKER']} {name}\\n")
 """
 
 
@@ -33,7 +33,7 @@ def test_the_long_suite_spreads_tests_but_keeps_the_one_node_slurm_tests_on_one_
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "conftest.py").write_text(CONFTEST)
     for file, n in (("test_slurm.py", 4), ("test_other.py", 8)):
-        body = TESTS.format() + "".join(f"\ndef test_{i}():\n    record('{file}:{i}')\n" for i in range(n))
+        body = TESTS + "".join(f"\ndef test_{i}():\n    record('{file}:{i}')\n" for i in range(n))
         (tmp_path / "tests" / file).write_text(body)
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadgroup", "-p", "no:cacheprovider", "tests"],
                        cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300)
