@@ -66,7 +66,7 @@ def test_auto_and_types_are_coerced():
         ("train.epochs=2.5", ["train.epochs", "an integer"]),
         ("train.deterministic=maybe", ["train.deterministic", "true or false"]),
         ("train.strategy=fast", ["train.strategy", "auto, cpu, single, dp, ddp, fsdp"]),
-        ("model.name=vgg", ["model.name", "resnet18, seednet"]),
+        ("model.name=vgg", ["model.name=vgg", "did you mean vgg19", "trainer models"]),
         ("train.batch_size=0", ["train.batch_size=0", "greater than 0"]),
         ("optim.lr=-0.1", ["optim.lr", "greater than 0"]),
         ("optim.weight_decay=-1", ["optim.weight_decay", "not be negative"]),
@@ -132,7 +132,7 @@ def test_legacy_local_rank_argument_is_accepted(monkeypatch):
     assert os.environ["LOCAL_RANK"] == "3"
 
 
-@pytest.mark.parametrize("override", ["train.batch_size=0", "train.bath_size=3", "optim.lr=-1", "model.name=vgg"])
+@pytest.mark.parametrize("override", ["train.batch_size=0", "train.bath_size=3", "optim.lr=-1", "model.name=vggx"])
 def test_cli_exits_2_with_one_line_and_writes_nothing(tmp_path, override):
     ck = tmp_path / "ck"
     p = run(trainer_cmd("train", f"checkpoint.dir={ck}", override), check=False)

@@ -66,7 +66,8 @@ def test_run_folder_holds_config_metrics_curves_and_checkpoints(ckpt):
     assert [r["epoch"] for r in epochs] == [1, 2]
     assert all(r["train_loss"] > 0 and 0 <= r["test_acc"] <= 1 and r["images_per_s"] > 0 for r in epochs)
     state = torch.load(ckpt / "step-32" / "state.pt", weights_only=True)
-    assert set(state) == {"format", "model_name", "model", "optimizer", "scheduler", "epoch", "step", "epoch_step", "config"}
+    assert set(state) == {"format", "model_name", "classes", "model", "optimizer", "scheduler", "epoch", "step", "epoch_step", "config"}
+    assert state["classes"] == [f"class{i}" for i in range(10)]
     assert state["config"]["train"]["epochs"] == 2 and state["step"] == 32 and state["epoch"] == 2
 
 

@@ -190,6 +190,15 @@ def check_model(saved: str | None, wanted: str, where: Path) -> None:
         raise CheckpointError(f"checkpoint {where} holds model {saved!r} but model.name={wanted}; set model.name={saved} or use another checkpoint.dir")
 
 
+def check_classes(saved: list[str] | None, data: list[str] | None, where: Path) -> None:
+    """A checkpoint's head has one output per class of the data it was trained on, in order."""
+    if saved is None or data is None or list(saved) == list(data):
+        return
+    first = next((f"{a!r} is {b!r} here" for a, b in zip(saved, data, strict=False) if a != b), f"{len(saved)} classes, {len(data)} here")
+    raise CheckpointError(f"checkpoint {where} was trained on other classes ({first}); point data.dir at the data it was trained on, "
+                          f"or start a new run in another checkpoint.dir")
+
+
 def check_global_batch(saved: int | None, wanted: int, where: Path) -> None:
     """A checkpoint counts in its own global batches (the step, the place in the epoch, the
     schedule's progress): resumed with another, the run would skip or repeat images of the epoch
@@ -284,7 +293,8 @@ def write(state: dict, root: Path, step: int, keep: int) -> Path:
             os.fsync(fh.fileno())
         meta = {"format": FORMAT, "step": step, "epoch": state.get("epoch"), "bytes": writer.size,
                 "sha256": writer.sha.hexdigest(), "parts": {"bytes": PART_BYTES, "sha256": writer.part_digests()},
-                "model": state.get("model_name"), "batch_size": saved_batch(state), "time": time.time()}
+                "model": state.get("model_name"), "batch_size": saved_batch(state), "classes": state.get("classes"),
+                "time": time.time()}
         with open(tmp / META, "w") as fh:
             json.dump(meta, fh)
             fh.flush()
@@ -669,22 +679,11 @@ class AsyncWriter:
 # The one owner.
 
 
-class _ShapesOnly(torch.overrides.TorchFunctionMode):
-    """Skips ``normal_`` while a model is built on the meta device: torch runs a meta tensor's
-    normal_ through torch._refs, whose first call imports torch._dynamo (1.3 s of a restart on an
-    H200 node, 3 s on a laptop's CPU, paid for nothing when the run does not compile)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is torch.Tensor.normal_:
-            return args[0]
-        return func(*args, **(kwargs or {}))
-
-
 def state_bytes(cfg: Config) -> int:
     """Bytes of one checkpoint: the weights, plus one copy per optimizer state tensor and Lookahead,
     plus half for bf16 working weights beside their fp32 masters (the upper bound under auto)."""
-    with torch.device("meta"), _ShapesOnly():  # shapes only: no memory, no time
-        model = models.build(cfg.model.name)
+    with torch.device("meta"), models.ShapesOnly():  # shapes only: no memory, no time
+        model = models.build(cfg.model.name, 10, cfg.data.image_size or 32)  # the head's classes: a rounding error of the size
     n = sum(p.numel() * p.element_size() for p in model.parameters())
     copies = 1 + (2 if cfg.optim.name == "adamw" else int(cfg.optim.momentum > 0)) + int(cfg.optim.lookahead_every > 0)
     return int(n * (copies + 0.5 * (cfg.train.param_dtype != "fp32")))
@@ -705,6 +704,8 @@ class Checkpointer:
         self.writer = AsyncWriter() if async_save and is_main else None
         self.async_save = async_save
         self.lock = FolderLock(self.root)
+        self.classes: list[str] | None = None
+        """The data's class names (saved; a resume on other classes is refused)."""
 
     # -- claiming the folder, picking the checkpoint (rank 0) -------------------------------------------------------------------
     def claim_and_pick(self) -> Path | None:
@@ -727,6 +728,7 @@ class Checkpointer:
         state = load(path, verify_checksum=self.is_main and self.cfg.checkpoint.resume != "auto")
         check_model(state.get("model_name"), self.cfg.model.name, path)
         check_global_batch(saved_batch(state), self.cfg.train.batch_size, path)
+        check_classes(state.get("classes"), self.classes, path)
         for key, part in self.parts.items():
             if key == "train":
                 part.load_state_dict(state)
@@ -748,7 +750,7 @@ class Checkpointer:
         if not self.is_main:
             return None
         train = states.pop("train", {})
-        return {"format": FORMAT, "model_name": self.cfg.model.name, **states, **train, "config": to_dict(self.cfg)}
+        return {"format": FORMAT, "model_name": self.cfg.model.name, "classes": self.classes, **states, **train, "config": to_dict(self.cfg)}
 
     def reserve(self) -> None:
         """Host buffers for async saves, once the optimizer state exists (after the first step)."""

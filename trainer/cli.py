@@ -172,14 +172,39 @@ def check(nnodes, nproc_per_node, config_file, overrides):
 
 
 @main.command()
+@click.option("--shards", "shards_out", metavar="OUT", help="Write the image folder (data.dir) as shards in OUT, to stream from.")
+@click.option("--max-side", default=512, show_default=True, help="With --shards: scale larger images down to this shorter side (0: keep).")
 @config_options
-def data(config_file, overrides):
-    """Download or decode the data set into its uint8 cache, then exit (e.g. an init container)."""
+def data(shards_out, max_side, config_file, overrides):
+    """Download or decode the data set into its uint8 cache, then exit (e.g. an init container); or,
+    with --shards OUT, write an image folder (or its .tar.gz) as shards once, to train from with
+    data.name=shards data.dir=OUT."""
     cfg = load_config(config_file, overrides)  # usage errors before torch is imported
+    from pathlib import Path
+
     from trainer import data as datasets
 
+    if shards_out:
+        if cfg.data.name != "imagefolder":
+            raise ConfigError(f"--shards reads an image folder; add data.name=imagefolder data.dir=IMAGES (data.name is {cfg.data.name})")
+        from trainer import shards
+
+        index = shards.write(Path(cfg.data.dir), Path(shards_out), max_side)
+        click.echo(f"{index['train']['images']} train and {index['test']['images']} test images, {len(index['train']['classes'])} classes "
+                   f"in {shards_out}; train with: data.name=shards data.dir={shards_out}")
+        return
+    datasets.plan(cfg, None, 1)  # data.image_size resolved: the cache holds the size that training reads
     train_split, test_split = datasets.load(cfg)
     click.echo(f"{len(train_split)} train and {len(test_split)} test images, classes: {', '.join(train_split.classes)}")
+
+
+@main.command()
+def models():
+    """The models model.name takes: this project's CIFAR networks, then torchvision's."""
+    from trainer.config import CIFAR_MODELS, torchvision_names
+
+    click.echo("this project's (32 px; airnet and resnet18 any size): " + ", ".join(CIFAR_MODELS))
+    click.echo("torchvision's (untrained, any data.image_size they take; torchvision.resnet18 for its ResNet-18): " + ", ".join(torchvision_names()))
 
 
 @main.command(context_settings={"ignore_unknown_options": True})
@@ -204,7 +229,8 @@ def launch(nproc_per_node, max_restarts, config_file, overrides):
     check_batch(cfg, int(nproc_per_node))
     from trainer import data as datasets
 
-    if not datasets.ready(cfg):
+    plan = datasets.plan(cfg, None, int(nproc_per_node))  # data.image_size resolved, as the workers will
+    if not plan.stream and not datasets.ready(cfg):
         datasets.load(cfg)  # decoded once, into the uint8 cache that the workers then read
     args = ["--standalone", f"--nproc-per-node={nproc_per_node}", f"--max-restarts={max_restarts}", "-m", "trainer", "train"]
     args += (["--config", config_file] if config_file else []) + list(overrides)

@@ -36,9 +36,12 @@ Strategy = Literal["auto", "cpu", "single", "dp", "ddp", "fsdp"]
 
 @dataclass
 class ModelConfig:
-    name: Literal["resnet18", "seednet", "airnet", "tinynet"] = "resnet18"
-    """Network from the registry in trainer/models.py: resnet18 (CIFAR stem), seednet (the article's
-    604 M-parameter CNN), airnet (small fast net of the speed recipe), tinynet (for tests)."""
+    name: str = "resnet18"
+    """Network: one of this project's CIFAR models (resnet18 with the CIFAR stem, seednet: the
+    article's 604 M-parameter CNN, airnet: the speed recipe's small net, tinynet: for tests), or any
+    torchvision classification model by name (resnet50, convnext_tiny, vit_b_16, ...; untrained,
+    built with the data's classes: `trainer models` lists them; torchvision.resnet18 is torchvision's
+    ResNet-18, with the ImageNet stem). seednet and tinynet take 32 px only."""
     compile: bool | None = None
     """torch.compile the model (auto: on for CUDA). Costs tens of seconds before the first step."""
     compile_mode: Literal["auto", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "auto"
@@ -56,9 +59,10 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    name: Literal["cifar10", "imagefolder", "synthetic"] = "cifar10"
+    name: Literal["cifar10", "imagefolder", "shards", "synthetic"] = "cifar10"
     """cifar10 (torchvision, downloaded once per machine), imagefolder (train/ and test/ class folders,
-    or their .tar.gz) or synthetic (generated, learnable, offline)."""
+    or their .tar.gz), shards (a folder that `trainer data --shards OUT` wrote: streamed when the set
+    does not fit in memory) or synthetic (generated, learnable, offline)."""
     dir: str = "./data"
     """Folder that holds the data set (the container's /data volume)."""
     download: bool = True
@@ -74,6 +78,24 @@ class DataConfig:
     """Training images of the synthetic set."""
     synthetic_test_size: int = 10000
     """Test images of the synthetic set."""
+    image_size: int = 0
+    """Side in pixels of the square images the model sees. 0 = auto: 32 for cifar10 and synthetic;
+    for images of your own, their median shorter side (from up to 256 of them), at most 224.
+    Images of 64 px or less train with CIFAR's recipe (pad and random crop, flip); larger ones with
+    torchvision's (random-resized crop 8-100 % of the area, ratio 3/4-4/3, flip; for testing: resize
+    to 8/7 of the size, centre crop)."""
+    loader: Literal["auto", "memory", "stream"] = "auto"
+    """memory: the whole set decoded once into a uint8 cache and held in memory (on the GPU with
+    data.device_resident). stream: read from shards step by step, each rank its own images, host
+    memory bounded. auto: memory when the decoded set fits in DATA_MEMORY_SHARE of the memory it
+    would live in, else stream (shards only). The start line says which, and why."""
+    decode: Literal["auto", "gpu", "cpu"] = "auto"
+    """Streamed JPEGs: decoded on the GPU in batches (nvjpeg; DataLoader workers only read bytes),
+    or by the DataLoader workers on the CPU. auto: gpu on CUDA."""
+    max_bad_images: int = 100
+    """Streamed images that fail to decode (a damaged shard) are skipped: a copy of another image of
+    the same batch takes the place, and a line names the shard. Past this many on one rank the run
+    stops (exit 2) and names the shard to rebuild."""
     crop_padding: int = 4
     """Random-crop padding in pixels for training (0 turns the crop off)."""
     crop_mode: Literal["zeros", "reflect"] = "zeros"
@@ -90,6 +112,9 @@ class DataConfig:
     pinned memory feeds each step (the same batches; for data that does not fit)."""
     num_workers: int = 2
     """DataLoader workers when data.device_resident is off."""
+    stream_workers: int = 0
+    """DataLoader workers of a streamed set, per process. 0 = auto: 4 when the GPU decodes (the
+    workers only read bytes), else this process's share of the node's cores, at most 16."""
     eval_batch_size: int = 1000
     """Test images per process per evaluation step."""
 
@@ -250,7 +275,7 @@ POSITIVE = ("train.epochs train.batch_size train.log_every train.eval_every opti
             "checkpoint.keep data.synthetic_train_size data.synthetic_test_size").split()
 NON_NEGATIVE = ("train.max_steps optim.weight_decay optim.momentum optim.warmup_epochs optim.final_lr_fraction optim.warmup_start "
                 "optim.label_smoothing optim.bias_lr_scale optim.lookahead_every data.train_subset data.test_subset data.crop_padding "
-                "data.num_workers checkpoint.every_epochs checkpoint.every_steps train.seed profile.steps profile.skip dist.hang_timeout_s").split()
+                "data.num_workers data.stream_workers data.image_size data.max_bad_images checkpoint.every_epochs checkpoint.every_steps train.seed profile.steps profile.skip dist.hang_timeout_s").split()
 
 
 @dataclass
@@ -282,6 +307,8 @@ class Config:
             raise ConfigError(f"optim.label_smoothing={self.optim.label_smoothing} must be below 1")
         if not self.checkpoint.dir:
             raise ConfigError("checkpoint.dir must not be empty")
+        if problem := model_name_problem(self.model.name):
+            raise ConfigError(problem)
         if problem := self.combination_problem():
             raise ConfigError(problem)
         return self
@@ -328,6 +355,29 @@ class Config:
             (bool(self.optim.lookahead_every),
              "train.param_dtype=bf16 does not work with Lookahead (optim.lookahead_every); set optim.lookahead_every=0 or train.param_dtype=fp32"),
         ]
+
+
+CIFAR_MODELS = ("resnet18", "seednet", "airnet", "tinynet")
+"""This project's own networks (trainer/models.py); every other model.name is torchvision's."""
+
+
+def torchvision_names() -> list[str]:
+    """torchvision's classification models (importing torchvision: a second or two, so only asked
+    for a name that is not one of CIFAR_MODELS)."""
+    import torchvision.models
+
+    return sorted(torchvision.models.list_models(module=torchvision.models))
+
+
+def model_name_problem(name: str) -> str | None:
+    """Why model.name names no model, or None. ``torchvision.NAME`` names torchvision's model where
+    this project has one of the same name (torchvision.resnet18: the ImageNet stem)."""
+    if name in CIFAR_MODELS or name.removeprefix("torchvision.") in torchvision_names():
+        return None
+    choices = [*CIFAR_MODELS, *torchvision_names()]
+    close = difflib.get_close_matches(name, choices, n=1)
+    hint = f"did you mean {close[0]}? " if close else ""
+    return f"model.name={name} is no model here; {hint}`trainer models` lists them (this project's CIFAR models and torchvision's)"
 
 
 # --------------------------------------------------------------------------------------------

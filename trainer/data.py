@@ -1,9 +1,13 @@
-"""Data sets as uint8 tensors: CIFAR-10, image folders (or their .tar.gz) and a synthetic set.
+"""Data sets as uint8 tensors: CIFAR-10, image folders (or their .tar.gz), shards and a synthetic set.
 
-Each data set is decoded once into a uint8 cache ([N, 3, 32, 32] images, int64 labels) so that
+Each data set is decoded once into a uint8 cache ([N, 3, S, S] images, int64 labels) so that
 later runs, and the other processes of this one, read a single file. One process per machine does
 the download or decode while the others wait on a file lock: no concurrent-download race, and no
-process group is needed for it. trainer/loader.py turns these tensors into batches.
+process group is needed for it. trainer/loader.py turns these tensors into batches. S is the
+stored size (:func:`store_size`): the image size for small images, 8/7 of it for larger ones
+(resize the shorter side, centre crop), so that training crops and test centre crops come from it.
+A set too large for memory is streamed from shards instead (trainer/shards.py, trainer/stream.py);
+:func:`plan` decides which, and says why.
 
 torch is imported inside the functions that need it: ``trainer launch`` asks :func:`ready` before
 it starts torchrun, and a warm start should not pay torch's import (seconds) in the launcher too.
@@ -32,15 +36,40 @@ IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 PROGRESS_S = 5.0
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR_STD = (0.2470, 0.2435, 0.2616)
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+SMALL = 64
+"""Images of this size or less train with CIFAR's recipe (pad-crop, CIFAR's mean and std); larger
+ones with torchvision's reference recipe (random-resized crop, ImageNet's mean and std)."""
+AUTO_MAX = 224
+"""data.image_size=auto never goes above this (torchvision's models are made for 224 px)."""
+DATA_MEMORY_SHARE = 0.4
+"""The in-memory path is taken when the decoded set fits in this share of the memory it would live
+in (the GPU's with data.device_resident, else this process's share of the host's)."""
 
 if TYPE_CHECKING:
     import torch
 
 
+def small(image_size: int) -> bool:
+    return image_size <= SMALL
+
+
+def store_size(image_size: int) -> int:
+    """Side of the stored square images: the image size itself for small images; 8/7 of it (256 for
+    224, torchvision's resize-then-centre-crop) for larger ones, so that random-resized crops and
+    the test centre crop have a margin to come from."""
+    return image_size if small(image_size) else round(image_size * 8 / 7)
+
+
+def norm_stats(image_size: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    return (CIFAR_MEAN, CIFAR_STD) if small(image_size) else (IMAGENET_MEAN, IMAGENET_STD)
+
+
 @dataclass
 class Split:
     images: torch.Tensor
-    """uint8 [N, 3, 32, 32]."""
+    """uint8 [N, 3, S, S]: S = store_size(data.image_size)."""
     labels: torch.Tensor
     """int64 [N]."""
     classes: list[str]
@@ -173,12 +202,15 @@ def _find_source(root: Path, split: str) -> Path:
 
 
 def _members(source: Path):
-    """Yield (class name, file name, bytes) for every image under ``source``."""
+    """Yield (class name, file name, bytes) for every image under ``source``. A class folder
+    without images is a usage error: its class would exist with nothing to learn it from."""
     if source.is_dir():
         for cls_dir in sorted(p for p in source.iterdir() if p.is_dir()):
-            for f in sorted(cls_dir.iterdir()):
-                if f.suffix.lower() in IMAGE_SUFFIXES:
-                    yield cls_dir.name, str(f), f.read_bytes()
+            files = sorted(f for f in cls_dir.iterdir() if f.suffix.lower() in IMAGE_SUFFIXES)
+            if not files:
+                raise ConfigError(f"class folder {cls_dir} holds no images ({', '.join(IMAGE_SUFFIXES)}); add images or remove the folder")
+            for f in files:
+                yield cls_dir.name, str(f), f.read_bytes()
         return
     with _archive(source) as tar:
         for m in tar:
@@ -187,6 +219,33 @@ def _members(source: Path):
                 fh = tar.extractfile(m)
                 if fh is not None:
                     yield parts[-2], f"{source}:{m.name}", fh.read()
+
+
+def to_rgb(im):
+    """A PIL image as 8-bit RGB: grayscale, palette and CMYK converted; transparency laid over
+    white (what a viewer shows), not dropped to whatever colour the transparent pixels hold."""
+    from PIL import Image
+
+    if im.mode in ("RGBA", "LA", "PA") or (im.mode == "P" and "transparency" in im.info):
+        im = im.convert("RGBA")
+        white = Image.new("RGBA", im.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, im).convert("RGB")
+    return im if im.mode == "RGB" else im.convert("RGB")
+
+
+def resize_center(im, side: int):
+    """Shorter side to ``side`` (bilinear, antialiased), then the centre ``side`` x ``side``:
+    torchvision's Resize + CenterCrop. An image already that size is left as it is."""
+    from PIL import Image
+
+    w, h = im.size
+    if (w, h) == (side, side):
+        return im
+    scale = side / min(w, h)
+    nw, nh = max(side, round(w * scale)), max(side, round(h * scale))
+    im = im.resize((nw, nh), Image.BILINEAR)
+    left, top = (nw - side) // 2, (nh - side) // 2
+    return im.crop((left, top, left + side, top + side))
 
 
 @contextlib.contextmanager
@@ -212,7 +271,7 @@ def check_archive(source: Path) -> None:
             pass
 
 
-def _decode_folder(source: Path) -> tuple[torch.Tensor, list[str], list[str]]:
+def _decode_folder(source: Path, side: int) -> tuple[torch.Tensor, list[str], list[str]]:
     import torch
     from PIL import Image, UnidentifiedImageError
 
@@ -225,10 +284,8 @@ def _decode_folder(source: Path) -> tuple[torch.Tensor, list[str], list[str]]:
             say(f"  decoded {len(images):,} images in {last - t0:.0f} s")
         try:
             with Image.open(io.BytesIO(raw)) as im:
-                im = im.convert("RGB")
-                if im.size != (32, 32):
-                    im = im.resize((32, 32), Image.BILINEAR)
-                images.append(torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8).view(32, 32, 3))
+                im = resize_center(to_rgb(im), side)
+                images.append(torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8).view(side, side, 3))
                 names.append(cls)
         except (UnidentifiedImageError, OSError, SyntaxError, ValueError):
             bad.append(name)
@@ -250,7 +307,8 @@ def _imagefolder_sources(cfg: Config) -> tuple[list[Path], str]:
         raise ConfigError(f"data.dir={root} does not exist; create it or point data.dir at the data set")
     sources = [_find_source(root, s) for s in ("train", "test")]
     stamp = "|".join(f"{s.resolve()}:{s.stat().st_mtime_ns}:{s.stat().st_size}" for s in sources)
-    return sources, "imagefolder-" + hashlib.sha1(stamp.encode()).hexdigest()[:16]
+    side = store_size(cfg.data.image_size or 32)
+    return sources, "imagefolder-" + hashlib.sha1(stamp.encode()).hexdigest()[:16] + ("" if side == 32 else f"-{side}px")
 
 
 def _imagefolder(cfg: Config) -> tuple[Split, Split]:
@@ -260,14 +318,70 @@ def _imagefolder(cfg: Config) -> tuple[Split, Split]:
     sources, key = _imagefolder_sources(cfg)
 
     def build() -> tuple[Split, Split]:
-        decoded = [_decode_folder(s) for s in sources]
+        decoded = [_decode_folder(s, store_size(cfg.data.image_size or 32)) for s in sources]
         classes = sorted(set(decoded[0][1]))
-        if sorted(set(decoded[1][1])) != classes:
-            raise ConfigError(f"train and test of {root} have different class folders; give both the same classes")
+        check_same_classes(classes, sorted(set(decoded[1][1])), str(root))
         index = {c: i for i, c in enumerate(classes)}
         return tuple(Split(x, torch.tensor([index[n] for n in names]), classes) for x, names, _ in decoded)
 
     return _cached(cfg, key, build)
+
+
+def check_same_classes(train: list[str], test: list[str], where: str) -> None:
+    if train != test:
+        only_train, only_test = sorted(set(train) - set(test)), sorted(set(test) - set(train))
+        diff = "; ".join(f"only in {s}: {', '.join(c[:3])}{' ...' if len(c) > 3 else ''}" for s, c in (("train", only_train), ("test", only_test)) if c)
+        raise ConfigError(f"train and test of {where} have different classes ({diff}); give both the same class folders")
+
+
+def median_short_side(root: Path, limit: int = 256) -> int | None:
+    """The median shorter side of up to ``limit`` training images of an image folder (headers only),
+    or None for a tarball (read only when decoded)."""
+    from PIL import Image
+
+    folder = root / "train"
+    if not folder.is_dir():
+        return None
+    classes = sorted(p for p in folder.iterdir() if p.is_dir())
+    sides = []
+    for k in range(limit):  # round robin over the classes: every class, not the first one's sizes
+        if not classes:
+            break
+        cls = classes[k % len(classes)]
+        files = sorted(f for f in cls.iterdir() if f.suffix.lower() in IMAGE_SUFFIXES)[: limit // len(classes) + 1]
+        i = k // len(classes)
+        if i < len(files):
+            with contextlib.suppress(OSError, SyntaxError, ValueError), Image.open(files[i]) as im:
+                sides.append(min(im.size))
+    return sorted(sides)[len(sides) // 2] if sides else None
+
+
+def resolve_image_size(cfg: Config) -> tuple[int, str]:
+    """(data.image_size with auto resolved, where it came from), for the start line."""
+    if cfg.data.image_size:
+        return cfg.data.image_size, "data.image_size"
+    if cfg.data.name in ("cifar10", "synthetic"):
+        return 32, "auto: the set's own"
+    if cfg.data.name == "shards":
+        from trainer import shards
+
+        side = shards.read_index(Path(cfg.data.dir), "train")["median_short_side"]
+    else:
+        side = median_short_side(Path(cfg.data.dir))
+        if side is None:
+            return 32, "auto: 32 for a tarball, whose sizes are known only once decoded"
+    size = min(AUTO_MAX, side)
+    return size, f"auto: the images' median shorter side {side} px" + (f", at most {AUTO_MAX}" if side > AUTO_MAX else "")
+
+
+def _resized(split: Split, side: int) -> Split:
+    """A uint8 split at ``side`` x ``side`` (CIFAR-10 or the synthetic set at another data.image_size)."""
+    if split.images.shape[-1] == side:
+        return split
+    import torch.nn.functional as F
+
+    x = F.interpolate(split.images.float(), size=(side, side), mode="bilinear", antialias=True, align_corners=False)
+    return Split(x.round().clamp(0, 255).to(split.images.dtype), split.labels, split.classes)
 
 
 # --------------------------------------------------------------------------------------------
@@ -295,13 +409,18 @@ def synthetic(n_train: int, n_test: int, seed: int = 1234) -> tuple[Split, Split
 
 def load(cfg: Config) -> tuple[Split, Split]:
     """The train and test splits named by ``cfg.data``, subset as asked."""
-    name = cfg.data.name
+    name, side = cfg.data.name, store_size(cfg.data.image_size or 32)
     if name == "synthetic":
         train, test = synthetic(cfg.data.synthetic_train_size, cfg.data.synthetic_test_size)
     elif name == "cifar10":
         train, test = _cifar10(cfg)
+    elif name == "shards":
+        from trainer import shards
+
+        train, test = _cached(cfg, shards.cache_key(Path(cfg.data.dir), side), lambda: shards.decode_all(Path(cfg.data.dir), side))
     else:
         train, test = _imagefolder(cfg)
+    train, test = _resized(train, side), _resized(test, side)
     return train.subset(cfg.data.train_subset, seed=1), test.subset(cfg.data.test_subset, seed=2)
 
 
@@ -310,5 +429,85 @@ def ready(cfg: Config) -> bool:
     no torch; raises ConfigError where an image folder's data is missing."""
     if cfg.data.name == "synthetic":
         return True
+    if cfg.data.name == "shards":
+        return True  # the workers decode (in memory) or stream it: nothing for the launcher to do
     key = "cifar10" if cfg.data.name == "cifar10" else _imagefolder_sources(cfg)[1]
     return _cache_file(cfg, key) is not None
+
+
+# --------------------------------------------------------------------------------------------
+# Which path: in memory or streamed
+
+
+@dataclass
+class Plan:
+    """What the start line says of the data: where it comes from, its size, the path that runs."""
+
+    source: str
+    image_size: int
+    size_why: str
+    stream: bool
+    path_why: str
+
+    def describe(self, n_train: int, n_test: int, classes: int) -> str:
+        return (f"{self.source}: {n_train:,} train / {n_test:,} test images, {classes} classes, {self.image_size} px ({self.size_why}) | "
+                f"{self.path_why}")
+
+
+def memory_budget(cuda_total: int | None, local_procs: int) -> tuple[int, str]:
+    """(bytes the decoded set may take, what that is a share of): the GPU's memory when the set
+    would live there, else this process's share of the host's."""
+    if cuda_total:
+        return int(cuda_total * DATA_MEMORY_SHARE), f"{DATA_MEMORY_SHARE:.0%} of the GPU's {cuda_total / 2**30:.0f} GiB"
+    host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    share = f" / {local_procs} processes" if local_procs > 1 else ""
+    return int(host * DATA_MEMORY_SHARE / local_procs), f"{DATA_MEMORY_SHARE:.0%} of the host's {host / 2**30:.0f} GiB{share}"
+
+
+def _source(cfg: Config) -> str:
+    return {"cifar10": f"CIFAR-10 ({cfg.data.dir})", "synthetic": "synthetic set (generated, not real images)",
+            "shards": f"shards {cfg.data.dir}"}.get(cfg.data.name, f"image folder {cfg.data.dir}")
+
+
+def _count_images(cfg: Config) -> int | None:
+    """Images of an image folder's class folders (a listing, no decode); None for tarballs."""
+    root = Path(cfg.data.dir)
+    total = 0
+    for split in ("train", "test"):
+        folder = root / split
+        if not folder.is_dir():
+            return None
+        total += sum(1 for c in folder.iterdir() if c.is_dir() for f in c.iterdir() if f.suffix.lower() in IMAGE_SUFFIXES)
+    return total
+
+
+def plan(cfg: Config, cuda_total: int | None, local_procs: int) -> Plan:
+    """Resolve data.image_size (written into ``cfg``) and decide the path: in memory where the
+    decoded set fits in its budget (:func:`memory_budget`), else streamed from shards. An image
+    folder too large for memory is refused, naming the command that shards it."""
+    size, size_why = resolve_image_size(cfg)
+    cfg.data.image_size = size
+    side = store_size(size)
+    budget, of = memory_budget(cuda_total, local_procs)
+    where = "on the GPU" if cuda_total else "in host memory"
+    d = cfg.data
+    if d.name == "shards":
+        from trainer import shards
+
+        train, test = shards.check(Path(d.dir))
+        need = (train["images"] + test["images"]) * 3 * side * side
+        if d.loader == "stream" or (d.loader == "auto" and need > budget):
+            why = "data.loader=stream" if d.loader == "stream" else f"{need / 2**30:.1f} GiB decoded > {of}"
+            decode = "GPU" if cuda_total and d.decode != "cpu" else "CPU workers"
+            return Plan(_source(cfg), size, size_why, True, f"streamed from shards, JPEGs decoded by the {decode} ({why})")
+        return Plan(_source(cfg), size, size_why, False, f"in memory, {where}: {need / 2**30:.2f} GiB decoded, within {of}")
+    if d.loader == "stream":
+        raise ConfigError(f"data.loader=stream reads shards and data.name={d.name} is not; write them once with `trainer data --shards OUT "
+                          f"data.name=imagefolder data.dir=IMAGES`, then train with data.name=shards data.dir=OUT")
+    n = {"cifar10": 60000, "synthetic": d.synthetic_train_size + d.synthetic_test_size}.get(d.name) or _count_images(cfg)
+    need = (n or 0) * 3 * side * side
+    if need > budget:
+        raise ConfigError(f"{_source(cfg)} at {side} px needs {need / 2**30:.1f} GiB decoded, more than {of}; shard it once with `trainer data "
+                          f"--shards OUT data.name=imagefolder data.dir={d.dir}` and train with data.name=shards data.dir=OUT (streamed)")
+    shown = f": {need / 2**30:.2f} GiB decoded, within {of}" if n else ""
+    return Plan(_source(cfg), size, size_why, False, f"in memory, {where}{shown}")

@@ -13,6 +13,7 @@ from trainer.config import Config, from_dict, load_config
 from trainer.data import Split
 from trainer.loader import Augment, eval_batches
 from trainer.runtime import Runtime, all_reduce_sum, setup, teardown
+from trainer.stream import Streamed
 
 
 @torch.no_grad()
@@ -37,9 +38,15 @@ def evaluate(model: torch.nn.Module, split: Split, cfg: Config, rt: Runtime, aug
     exactly once whatever the world size. ``beat()`` after each batch tells the hang watchdog."""
     model.eval()
     sums = torch.zeros(3, device=rt.device, dtype=torch.float64)
-    for x, y in eval_batches(split, rt, cfg.data.eval_batch_size):
+    if isinstance(split, Split):
+        batches = eval_batches(split, rt, cfg.data.eval_batch_size)
+    else:  # streamed from the test shards
+        from trainer.stream import eval_batches as streamed
+
+        batches = streamed(cfg, rt, cfg.data.eval_batch_size, rt.cuda and cfg.data.decode != "cpu")
+    for x, y in batches:
         with torch.autocast(rt.device.type, dtype=torch.bfloat16, enabled=bf16):
-            logits = predict(model, augment.normalize(x), cfg.train.tta).float()
+            logits = predict(model, augment.eval(x), cfg.train.tta).float()
         sums[0] += F.cross_entropy(logits, y, reduction="sum").double()
         sums[1] += (logits.argmax(1) == y).sum()
         sums[2] += len(y)
@@ -67,13 +74,15 @@ def evaluate_checkpoint(path: str, config_file: str | None, overrides) -> tuple[
     rt = setup(cfg)
     try:
         fast = Fast.resolve(cfg, rt)
-        model = models.build(cfg.model.name)
         checkpoint.check_model(state.get("model_name"), cfg.model.name, Path(path))
+        plan = data.plan(cfg, None, 1)  # the size the checkpoint was trained at (stored resolved); streamed if large
+        _, test_split = (None, Streamed(Path(cfg.data.dir), "test")) if plan.stream else data.load(cfg)
+        checkpoint.check_classes(state.get("classes"), test_split.classes, Path(path))
+        model = models.build(cfg.model.name, len(state.get("classes") or test_split.classes), cfg.data.image_size)
         checkpoint.ModelPart(model, cfg.model.name).load_state_dict(state["model"], path)
         model.to(rt.device)
         if fast.channels_last:
             model.to(memory_format=torch.channels_last)
-        _, test_split = data.load(cfg)
         loss, acc = evaluate(model, test_split, cfg, rt, Augment(cfg, rt, fast.channels_last), fast.bf16)
         return str(path), loss, acc, len(test_split)
     finally:

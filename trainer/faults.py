@@ -47,3 +47,13 @@ def _fault() -> tuple[str, int | None, str] | None:
     where, _, action = spec.partition(":")
     point, _, at = where.partition("@")
     return point, int(at) if at else None, action
+
+
+def trace_samples(epoch: int, step: int, rank: int, idx) -> None:
+    """TRAINER_SAMPLE_TRACE=FOLDER (tests): each rank appends 'epoch step id id ...' of every step
+    it trains to FOLDER/samples-rankR.txt, so a test can check that a resumed or re-formed run
+    sees every image of an epoch exactly once."""
+    folder = os.environ.get("TRAINER_SAMPLE_TRACE")
+    if folder:
+        with open(os.path.join(folder, f"samples-rank{rank}.txt"), "a") as fh:
+            fh.write(f"{epoch} {step} {' '.join(str(int(i)) for i in idx.tolist())}\n")

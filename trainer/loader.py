@@ -25,7 +25,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from trainer.config import Config
-from trainer.data import CIFAR_MEAN, CIFAR_STD, Split
+from trainer.data import Split, norm_stats, small
 from trainer.runtime import Runtime
 
 
@@ -51,7 +51,9 @@ def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
 
 
 class Augment:
-    """uint8 images -> normalised float images, with random crop and flip for training.
+    """uint8 images -> normalised float images, with random crop and flip for training: CIFAR's
+    pad-and-crop for small images, a random-resized crop of the stored image (one batched
+    affine resample: crop, resize and mirror in one kernel) for larger ones.
 
     The random numbers of a whole epoch are drawn at once from ``(seed, epoch)`` for every global
     position (step k, place j in the global batch), and each rank keeps its own positions, so an
@@ -66,8 +68,11 @@ class Augment:
         self.alternate = cfg.data.flip_mode == "alternate"
         self.rt, self.channels_last = rt, channels_last
         self.b, self.steps = per_rank_batch, steps_per_epoch
-        self.mean = torch.tensor(CIFAR_MEAN, device=rt.device).view(1, 3, 1, 1) * 255
-        self.inv_std = 1 / (torch.tensor(CIFAR_STD, device=rt.device).view(1, 3, 1, 1) * 255)
+        self.size = cfg.data.image_size or 32
+        self.resized = not small(self.size)
+        mean, std = norm_stats(self.size)
+        self.mean = torch.tensor(mean, device=rt.device).view(1, 3, 1, 1) * 255
+        self.inv_std = 1 / (torch.tensor(std, device=rt.device).view(1, 3, 1, 1) * 255)
         self._drawn: tuple[int, torch.Tensor, torch.Tensor] | None = None
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
@@ -78,12 +83,24 @@ class Augment:
         # the default float type (float32; float64 in the equivalence tests); .to keeps the layout
         return x.to(torch.get_default_dtype()).sub_(self.mean).mul_(self.inv_std)
 
+    def eval(self, x: torch.Tensor) -> torch.Tensor:
+        """Test images: the centre data.image_size of the stored ones (torchvision's resize to 8/7,
+        centre crop), normalised."""
+        if x.shape[-1] > self.size:
+            o = (x.shape[-1] - self.size) // 2
+            x = x[:, :, o : o + self.size, o : o + self.size]
+        return self.normalize(x)
+
     def draws(self, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's crop offsets [steps, b, 2] and coin flips [steps, b] of ``epoch``."""
+        """This rank's crop offsets [steps, b, 2] (uniforms [steps, b, 4] of the resized crop) and
+        coin flips [steps, b] of ``epoch``."""
         if self._drawn is None or self._drawn[0] != epoch:
             gen = torch.Generator(device=self.rt.device).manual_seed(self.seed * 1_000_003 + epoch)
             w, r, shape = self.rt.world_size, self.rt.rank, (self.steps, self.b * self.rt.world_size)
-            shift = torch.randint(0, 2 * self.pad + 1, (*shape, 2), generator=gen, device=self.rt.device)[:, r::w]
+            if self.resized:
+                shift = torch.rand((*shape, 4), generator=gen, device=self.rt.device)[:, r::w]
+            else:
+                shift = torch.randint(0, 2 * self.pad + 1, (*shape, 2), generator=gen, device=self.rt.device)[:, r::w]
             coin = torch.rand(shape, generator=gen, device=self.rt.device)[:, r::w] < 0.5
             self._drawn = (epoch, shift, coin)
         return self._drawn[1], self._drawn[2]
@@ -91,7 +108,7 @@ class Augment:
     def train(self, x: torch.Tensor, epoch: int, step: int, idx: torch.Tensor) -> torch.Tensor:
         """Augment ``x``: this rank's images of steps ``step``, ``step + 1``, ... (a whole number of
         per-rank batches); ``idx`` are their indices in the data set (for flip_mode=alternate)."""
-        if not (self.pad or self.flip):
+        if not (self.pad or self.flip or self.resized):
             return self.normalize(x)
         n = len(x) // self.b
         if n * self.b != len(x) or step + n > self.steps:
@@ -100,6 +117,8 @@ class Augment:
         mirror = None
         if self.flip:
             mirror = alternate_mirror(idx, self.seed, epoch) if self.alternate else coin
+        if self.resized:
+            return self.normalize(resized_crop(x, shift, self.size, mirror))
         return self.normalize(random_crop(x, shift, self.pad, self.reflect, mirror))
 
 
@@ -131,6 +150,23 @@ def random_crop(x: torch.Tensor, shift: torch.Tensor, pad: int, reflect: bool = 
         rows, cols = rows.clamp(0, h - 1), cols.clamp(0, w - 1)
     out = x.gather(2, rows.view(b, 1, h, 1).expand(b, c, h, w)).gather(3, cols.view(b, 1, 1, w).expand(b, c, h, w))
     return out if inside is None else out * inside
+
+
+def resized_crop(x: torch.Tensor, u: torch.Tensor, size: int, mirror: torch.Tensor | None = None) -> torch.Tensor:
+    """Random-resized crops of the square uint8 images ``x`` [B,C,S,S] at ``size``: each image's box
+    from its uniforms ``u`` [B,4] (trainer/stream.py's crop_boxes, the streamed path's), resampled
+    bilinearly and mirrored by one affine grid for the whole batch. Float out, 0-255."""
+    from trainer.stream import crop_boxes
+
+    b, s = x.shape[0], x.shape[-1]
+    side = torch.full((b,), s, device=x.device)
+    top, left, ch, cw = crop_boxes(u, side, side).to(torch.get_default_dtype()).unbind(1)
+    sign = 1 - 2 * mirror.to(cw.dtype) if mirror is not None else 1  # a negative x scale mirrors
+    theta = torch.zeros(b, 2, 3, device=x.device, dtype=cw.dtype)
+    theta[:, 0, 0], theta[:, 0, 2] = sign * cw / s, (2 * left + cw) / s - 1
+    theta[:, 1, 1], theta[:, 1, 2] = ch / s, (2 * top + ch) / s - 1
+    grid = torch.nn.functional.affine_grid(theta, [b, x.shape[1], size, size], align_corners=False)
+    return torch.nn.functional.grid_sample(x.to(cw.dtype), grid, mode="bilinear", padding_mode="border", align_corners=False)
 
 
 def _mirror(i: torch.Tensor, n: int) -> torch.Tensor:
@@ -195,6 +231,10 @@ class DeviceLoader:
         if self._copied[slot] is not None:
             self._copied[slot].synchronize()
 
+    def first_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A training batch for the warm-up: the first images, augmented with epoch 0's numbers."""
+        return first_batch(self.images, self.labels, self.b, self.augment, self.rt)
+
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """(images, labels, data-set indices) of each step; images augmented and normalised when
         the loader has an Augment, else uint8 as stored."""
@@ -222,6 +262,10 @@ class HostLoader:
             sampler=self.sampler, drop_last=True, num_workers=num_workers, pin_memory=rt.cuda, persistent_workers=num_workers > 0,
         )
         self.steps_per_epoch = self.sampler.num_samples // per_rank_batch
+        self.split, self.b = split, per_rank_batch
+
+    def first_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return first_batch(self.split.images, self.split.labels, self.b, self.augment, self.rt)
 
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """(images, labels, data-set indices) of each step, as DeviceLoader gives them."""
@@ -234,8 +278,17 @@ class HostLoader:
             yield x, y, idx
 
 
-def make_train_loader(cfg: Config, rt: Runtime, split: Split, device_resident: bool, augment: Augment):
+def first_batch(images: torch.Tensor, labels: torch.Tensor, b: int, augment: Augment, rt: Runtime) -> tuple[torch.Tensor, torch.Tensor]:
+    x = augment.train(images[:b].to(rt.device), 0, 0, torch.arange(b, device=rt.device))
+    return x, labels[:b].to(rt.device)
+
+
+def make_train_loader(cfg: Config, rt: Runtime, split, device_resident: bool, augment: Augment, gpu_decode: bool = False):
     b = rt.per_rank_batch(cfg.train.batch_size)
+    from trainer.stream import Streamed, StreamLoader
+
+    if isinstance(split, Streamed):
+        return StreamLoader(cfg, rt, b, augment, gpu_decode)
     if device_resident:
         return DeviceLoader(split, rt, b, cfg.train.seed, augment)
     return HostLoader(split, rt, b, cfg.train.seed, cfg.data.num_workers, augment)

@@ -13,7 +13,7 @@ from trainer import compile_cache, parallel
 from trainer.config import to_yaml
 from trainer.contract import EXIT_PREEMPTED, stopped_by_torchrun
 from trainer.evaluate import evaluate
-from trainer.faults import crash_point
+from trainer.faults import crash_point, trace_samples
 from trainer.metrics import StepProfiler, StepTimer, Stragglers, plot_curves, since_command
 from trainer.run import Run
 from trainer.runtime import all_reduce_sum, barrier
@@ -78,7 +78,7 @@ class Trainer:
         where = f"resuming from {r.resumed_from} (epoch {self.state.epoch}, step {self.state.step})" if r.resumed_from else "starting fresh"
         r.say.line(
             f"{self.cfg.model.name} | strategy {self.rt.strategy} x{shown} on {self.rt.device.type} | "
-            f"{len(r.train_split)} train / {len(r.test_split)} test images | {r.fast} | {where}"
+            f"{r.data_plan.describe(len(r.train_split), len(r.test_split), len(r.train_split.classes))} | {r.fast} | {where}"
         )
         r.metrics.write({"event": "start", "strategy": self.rt.strategy, "world_size": self.rt.world_size, "step": self.state.step,
                      "resumed_from": str(r.resumed_from) if r.resumed_from else None, "fast": str(r.fast)})
@@ -98,9 +98,7 @@ class Trainer:
         clock = r.startup
         clock.mark("build_rest")  # input pipeline, run log, watchdog
         saved = {k: v.detach().clone() for k, v in r.model.state_dict().items()}
-        b = self.rt.per_rank_batch(self.cfg.train.batch_size)
-        x = r.augment.train(r.train_split.images[:b].to(self.rt.device), 0, 0, torch.arange(b, device=self.rt.device))
-        y = r.train_split.labels[:b].to(self.rt.device)
+        x, y = r.loader.first_batch()
         r.net.train()
         for i in range(3 if r.fast.cudagraphs else 1):
             _ = self.forward_backward(x, y).item()
@@ -170,6 +168,7 @@ class Trainer:
             if batch is None:
                 break
             d1 = self.timer.mark()
+            trace_samples(epoch, st.epoch_step, self.rt.rank, batch[2])  # tests only (TRAINER_SAMPLE_TRACE)
             r.watchdog.at("step")
             loss = self.train_step(batch[0], batch[1])
             self.timer.add(d0, d1, self.timer.mark())

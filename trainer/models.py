@@ -1,4 +1,8 @@
-"""The model registry: ``build(name)`` returns a freshly initialised network for 32x32 RGB images."""
+"""The model registry: ``build(name, num_classes, image_size)`` returns a freshly initialised network:
+one of this project's CIFAR networks (32x32 images; airnet and resnet18 take any size) or any
+torchvision classification model by name, untrained, with the data's number of classes.
+:func:`input_problem` tells, on the meta device (no memory, no time), whether a model takes images
+of a given size."""
 
 from __future__ import annotations
 
@@ -19,8 +23,56 @@ def register(name: str):
     return wrap
 
 
-def build(name: str, num_classes: int = 10) -> nn.Module:
-    return REGISTRY[name](num_classes)
+def build(name: str, num_classes: int = 10, image_size: int = 32) -> nn.Module:
+    """A fresh network. torchvision's get imported only for a name outside REGISTRY (seconds of a
+    start that CIFAR runs do not pay)."""
+    if name in REGISTRY:
+        return REGISTRY[name](num_classes)
+    import torchvision.models
+
+    name = name.removeprefix("torchvision.")
+    if name in ("googlenet", "inception_v3"):  # one logits tensor out, as every other model gives
+        return torchvision.models.get_model(name, weights=None, num_classes=num_classes, aux_logits=False, init_weights=False)
+    try:  # the vision transformers size their position embedding by the image: tell them
+        return torchvision.models.get_model(name, weights=None, num_classes=num_classes, image_size=image_size)
+    except TypeError:  # the convolutional ones take any size and no such argument
+        return torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+
+
+class ShapesOnly(torch.overrides.TorchFunctionMode):
+    """Skips ``normal_`` while a model is built on the meta device: torch runs a meta tensor's
+    normal_ through torch._refs, whose first call imports torch._dynamo (1.3 s of a restart on an
+    H200 node, 3 s on a laptop's CPU, paid for nothing when the run does not compile)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.normal_:
+            return args[0]
+        return func(*args, **(kwargs or {}))
+
+
+def input_problem(name: str, image_size: int, num_classes: int = 10) -> str | None:
+    """Why ``name`` cannot take images of ``image_size`` (one line naming the fix), or None: one
+    forward pass of two images on the meta device, shapes only. An op without a meta kernel
+    proves nothing, and passes."""
+    with torch.device("meta"), ShapesOnly():
+        try:
+            model = build(name, num_classes, image_size).eval()
+        except (ValueError, AssertionError) as e:  # e.g. a ViT's patch size that does not divide the image
+            return _cannot(name, image_size, e)
+        try:
+            with torch.no_grad():
+                model(torch.empty(2, 3, image_size, image_size))
+        except NotImplementedError:
+            return None
+        except (RuntimeError, ValueError, AssertionError, IndexError) as e:
+            return _cannot(name, image_size, e)
+    return None
+
+
+def _cannot(name: str, image_size: int, e: BaseException) -> str:
+    why = " ".join(str(e).split())[:120] or e.__class__.__name__
+    fix = "data.image_size=32" if name in ("seednet", "tinynet") else "another data.image_size (224 fits every torchvision model)"
+    return f"model.name={name} cannot take data.image_size={image_size} images ({why}); use {fix} or another model.name"
 
 
 @register("seednet")

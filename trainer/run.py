@@ -82,8 +82,10 @@ class Run:
     fast: Fast
     root: Path
     state: TrainState
-    train_split: data.Split
-    test_split: data.Split
+    train_split: Any
+    """data.Split in memory, or stream.Streamed (the shards stay where they are)."""
+    test_split: Any
+    data_plan: data.Plan
     model: nn.Module
     net: nn.Module
     optimizer: torch.optim.Optimizer
@@ -121,7 +123,8 @@ def build(cfg: Config, rt: Runtime, started_at: float | None = None) -> Run:
     ckpt = Checkpointer(cfg, rt.is_main, fast.async_save, say=say.line)
     resumed_from = pick_checkpoint(ckpt, rt)
     clock.mark("checkpoint_pick")
-    train_split, test_split, steps_per_epoch = load_data(cfg, rt, fast)
+    train_split, test_split, steps_per_epoch, plan = load_data(cfg, rt, fast)
+    ckpt.classes = train_split.classes
     clock.mark("data")
     augment = Augment(cfg, rt, fast.channels_last, rt.per_rank_batch(cfg.train.batch_size), steps_per_epoch)
     model = build_model(cfg, rt, fast, augment, train_split, fresh=resumed_from is None)
@@ -143,9 +146,9 @@ def build(cfg: Config, rt: Runtime, started_at: float | None = None) -> Run:
         ckpt.restore(resumed_from)
         clock.mark("restore")
     return Run(
-        cfg=cfg, rt=rt, fast=fast, root=ckpt.root, state=state, train_split=train_split, test_split=test_split,
+        cfg=cfg, rt=rt, fast=fast, root=ckpt.root, state=state, train_split=train_split, test_split=test_split, data_plan=plan,
         model=model, net=net, optimizer=optimizer, schedule=schedule, lookahead=lookahead,
-        loader=make_train_loader(cfg, rt, train_split, fast.device_resident, augment), augment=augment,
+        loader=make_train_loader(cfg, rt, train_split, fast.device_resident, augment, gpu_decode(cfg, rt)), augment=augment,
         steps_per_epoch=steps_per_epoch, total_steps=total, stop=StopFlag(rt), checkpointer=ckpt,
         metrics=RunLog(ckpt.root, rt, cfg.train.tensorboard, state.step if resumed_from else None), say=say,
         resumed_from=resumed_from, started_at=clock.started_at, compile_cache=cache, compile_key=cache_key, masters=masters,
@@ -175,12 +178,26 @@ def pick_checkpoint(ckpt: Checkpointer, rt: Runtime) -> Path | None:
     return broadcast(rt, resumed_from)
 
 
-def load_data(cfg: Config, rt: Runtime, fast: Fast) -> tuple[data.Split, data.Split, int]:
-    """The training and test splits (the test split on the device when data.device_resident) and
-    the steps of one epoch."""
-    error, splits = None, None
+def gpu_decode(cfg: Config, rt: Runtime) -> bool:
+    """Streamed JPEGs decoded on the GPU (data.decode, auto: wherever there is one)."""
+    return rt.cuda and cfg.data.decode != "cpu"
+
+
+def load_data(cfg: Config, rt: Runtime, fast: Fast) -> tuple[Any, Any, int, data.Plan]:
+    """The training and test splits (in memory: the test split on the device when
+    data.device_resident; streamed: left in the shards), the steps of one epoch and the plan the
+    start line prints. data.image_size is resolved here (written into ``cfg``) and checked against
+    the model."""
+    from trainer.stream import Streamed
+
+    error, splits, plan = None, None, None
     try:
-        splits = data.load(cfg)
+        gpu = torch.cuda.get_device_properties(rt.device).total_memory if rt.cuda and fast.device_resident else None
+        plan = data.plan(cfg, gpu, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        if problem := models.input_problem(cfg.model.name, cfg.data.image_size):
+            raise ConfigError(problem)
+        root = Path(cfg.data.dir)
+        splits = (Streamed(root, "train"), Streamed(root, "test")) if plan.stream else data.load(cfg)
     except ConfigError as e:
         error = e
     agree(rt, error)
@@ -188,9 +205,9 @@ def load_data(cfg: Config, rt: Runtime, fast: Fast) -> tuple[data.Split, data.Sp
     steps_per_epoch = len(train_split) // cfg.train.batch_size
     if steps_per_epoch == 0:
         raise ConfigError(f"train.batch_size={cfg.train.batch_size} is larger than the training set ({len(train_split)} images); use a smaller batch")
-    if fast.device_resident:
+    if fast.device_resident and not plan.stream:
         test_split = data.Split(test_split.images.to(rt.device), test_split.labels.to(rt.device), test_split.classes)
-    return train_split, test_split, steps_per_epoch
+    return train_split, test_split, steps_per_epoch, plan
 
 
 def build_model(cfg: Config, rt: Runtime, fast: Fast, augment: Augment, train_split: data.Split, fresh: bool = True) -> nn.Module:
@@ -199,12 +216,14 @@ def build_model(cfg: Config, rt: Runtime, fast: Fast, augment: Augment, train_sp
     them later, in place."""
     torch.manual_seed(cfg.train.seed)
     with torch.device(rt.device):
-        model = models.build(cfg.model.name)
+        model = models.build(cfg.model.name, len(train_split.classes), cfg.data.image_size)
     # Weights computed from data (airnet's whitening: 1.4 s of a start on an H200 node, seconds on a
     # laptop's CPU) only for a fresh run: a resumed one's checkpoint overwrites them. It draws no
     # random numbers, so skipping it moves nothing else.
     if hasattr(model, "init_from_data") and fresh:
-        model.init_from_data(augment.normalize(train_split.images[:5000].to(rt.device)).cpu())
+        if train_split.images is None:
+            raise ConfigError(f"model.name={cfg.model.name} initialises from the data in memory and this set is streamed; use another model.name")
+        model.init_from_data(augment.eval(train_split.images[:5000].to(rt.device)).cpu())
     model.to(rt.device)
     if fast.channels_last and rt.strategy != "fsdp":
         model.to(memory_format=torch.channels_last)

@@ -1,0 +1,233 @@
+"""Shards: an image folder (or its .tar.gz) written once as WebDataset tar files, read by index.
+
+``trainer data --shards OUT`` writes ``OUT/train-NNNNNN.tar`` and ``OUT/test-NNNNNN.tar`` with
+webdataset's ShardWriter (each sample ``KEY.jpg`` and ``KEY.cls``), and ``OUT/train.json`` and
+``OUT/test.json`` in wids' shard-index format (each shard's file, samples and bytes) with the class
+names and the images' median shorter side beside it. Any WebDataset or wids tool reads them.
+
+Reading is by sample index through wids' IndexedTarSamples (a memory-mapped tar with an index of
+its members): the trainer's order (a permutation of the whole set per epoch, every rank its share
+of each global batch; trainer/stream.py) needs any sample at any time. webdataset's own reader
+streams each shard from its start, so its order depends on how shards are split over ranks and
+workers (README: "Data at any size" compares them). wids' ShardListDataset is not used: it writes
+a lock file beside each shard (a read-only data volume refuses it) and prints a line per open.
+
+Every image is decoded once here, while the shards are written: one that does not decode is
+skipped and counted, PNG, grayscale, CMYK and transparent images become RGB JPEGs (what the GPU's
+decoder takes), and images larger than ``max_side`` are scaled down. Baseline RGB JPEGs of a fitting
+size keep their bytes.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import time
+import warnings
+from collections.abc import Iterator
+from multiprocessing import get_context
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from trainer.config import ConfigError
+from trainer.contract import one_line, say
+
+if TYPE_CHECKING:
+    from trainer.data import Split
+
+KIND = "wids-shard-index-v1"
+MAX_COUNT = 10_000
+"""Images per shard at most (and MAX_BYTES): a few hundred shards for ImageNet, few open files."""
+MAX_BYTES = 512 << 20
+
+
+def _prepare(item: tuple[int, str, str, bytes, int]) -> tuple[int, str, bytes | None, int]:
+    """(index, class, JPEG bytes or None when the image does not decode, its shorter side)."""
+    from PIL import Image
+
+    from trainer.data import to_rgb
+
+    i, cls, name, raw, max_side = item
+    try:
+        with Image.open(io.BytesIO(raw)) as im:
+            im.load()
+            keep = im.format == "JPEG" and im.mode == "RGB" and not im.info.get("progressive") and (not max_side or min(im.size) <= max_side)
+            if keep:
+                return i, cls, raw, min(im.size)
+            rgb = to_rgb(im)
+            if max_side and min(rgb.size) > max_side:
+                scale = max_side / min(rgb.size)
+                rgb = rgb.resize((max(1, round(rgb.size[0] * scale)), max(1, round(rgb.size[1] * scale))), Image.BILINEAR)
+            out = io.BytesIO()
+            rgb.save(out, format="JPEG", quality=95)
+            return i, cls, out.getvalue(), min(rgb.size)
+    except (OSError, SyntaxError, ValueError) as e:
+        return i, cls, f"{name}: {one_line(e, 80)}".encode(), -1
+
+
+def write(source_root: Path, out: Path, max_side: int = 512, workers: int | None = None) -> dict[str, dict]:
+    """Write the train and test splits of ``source_root`` (class folders or their .tar.gz) as
+    shards in ``out``; returns each split's index. Images are read in the folder's sorted order."""
+    import webdataset as wds
+
+    from trainer.data import _find_source, _members, check_same_classes
+
+    if not source_root.is_dir():
+        raise ConfigError(f"{source_root} does not exist; point it at a folder of train/ and test/ class folders (or their .tar.gz)")
+    out.mkdir(parents=True, exist_ok=True)
+    indexes, workers = {}, workers or max(1, min(16, os.cpu_count() or 1))
+    for split in ("train", "test"):
+        source = _find_source(source_root, split)
+        t0, last, sides, bad, classes, labels = time.monotonic(), time.monotonic(), [], [], [], {}
+        for old in out.glob(f"{split}-*.tar"):
+            old.unlink()
+        pattern = str(out / f"{split}-%06d.tar")
+        items = ((i, cls, name, raw, max_side) for i, (cls, name, raw) in enumerate(_members(source)))
+        kept = 0
+        with get_context("fork").Pool(workers) as pool, wds.ShardWriter(pattern, maxcount=MAX_COUNT, maxsize=MAX_BYTES, verbose=0) as sink:
+            for _, cls, jpeg, side in pool.imap(_prepare, items, chunksize=64):
+                if side < 0:
+                    bad.append(jpeg.decode())
+                    continue
+                if cls not in labels:
+                    labels[cls] = None
+                sink.write({"__key__": f"{kept:09d}", "jpg": jpeg, "cls": cls.encode()})
+                sides.append(side)
+                kept += 1
+                if time.monotonic() - last >= 5:
+                    last = time.monotonic()
+                    say(f"  {split}: {kept:,} images in {last - t0:.0f} s")
+        classes = sorted(labels)
+        if bad:
+            more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+            warnings.warn(f"skipped {len(bad)} unreadable image(s) of {split}: {'; '.join(bad[:3])}{more}", stacklevel=2)
+        if not kept:
+            raise ConfigError(f"{source} holds no readable images; expected {source}/<class>/<image>")
+        indexes[split] = {"__kind__": KIND, "wids_version": 1, "name": split, "classes": classes, "images": kept, "skipped": len(bad),
+                          "median_short_side": sorted(sides)[len(sides) // 2],
+                          "shardlist": [{"url": p.name, "nsamples": 0, "filesize": p.stat().st_size} for p in sorted(out.glob(f"{split}-*.tar"))]}
+        _count(out, indexes[split])
+        say(f"  {split}: {kept:,} images, {len(classes)} classes in {len(indexes[split]['shardlist'])} shard(s), {time.monotonic() - t0:.1f} s")
+    check_same_classes(indexes["train"]["classes"], indexes["test"]["classes"], str(source_root))
+    for split, index in indexes.items():
+        (out / f"{split}.json").write_text(json.dumps(index, indent=1))
+    return indexes
+
+
+def _count(out: Path, index: dict) -> None:
+    """Each shard's samples, read back from the tar just written (wids' own index of it)."""
+    from wids.wids import IndexedTarSamples
+
+    for shard in index["shardlist"]:
+        with open(out / shard["url"], "rb") as fh:
+            samples = IndexedTarSamples(path=str(out / shard["url"]), stream=fh)
+            shard["nsamples"] = len(samples)
+            samples.close()
+
+
+def read_index(root: Path, split: str) -> dict:
+    """A split's index; a missing or foreign one is a usage error naming the fix."""
+    path = root / f"{split}.json"
+    fix = f"write shards with `trainer data --shards {root} data.name=imagefolder data.dir=IMAGES`"
+    try:
+        index = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"data.name=shards: {path} does not exist; {fix}, or use data.name=imagefolder for a folder of images") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path} is not a shard index ({one_line(e, 80)}); {fix}") from None
+    if index.get("__kind__") != KIND or "classes" not in index:
+        raise ConfigError(f"{path} is not a shard index of this trainer; {fix}")
+    return index
+
+
+def check(root: Path) -> tuple[dict, dict]:
+    """Both splits' indexes, every shard present at its recorded size, the same classes."""
+    from trainer.data import check_same_classes
+
+    indexes = read_index(root, "train"), read_index(root, "test")
+    for index in indexes:
+        for shard in index["shardlist"]:
+            path = root / shard["url"]
+            try:
+                size = path.stat().st_size
+            except OSError as e:
+                raise ConfigError(f"shard {path} is missing or unreadable ({e.strerror}); copy it back or write the shards again") from None
+            if shard.get("filesize") not in (None, size):
+                raise ConfigError(f"shard {path} has {size} bytes, its index says {shard['filesize']}: it is cut short or replaced; "
+                                  f"copy it again or write the shards again")
+    check_same_classes(indexes[0]["classes"], indexes[1]["classes"], str(root))
+    return indexes
+
+
+def cache_key(root: Path, side: int) -> str:
+    """The in-memory cache's key of shards decoded at ``side``: changes when a shard does."""
+    import hashlib
+
+    stamp = "|".join(f"{(root / s['url']).resolve()}:{s.get('filesize')}" for split in ("train", "test") for s in read_index(root, split)["shardlist"])
+    return f"shards-{hashlib.sha1(stamp.encode()).hexdigest()[:16]}-{side}px"
+
+
+class ShardSet:
+    """One split's samples by index: (JPEG bytes, label, 'shard:key'). Shards open on first use,
+    in the process that reads them (each DataLoader worker its own memory maps)."""
+
+    def __init__(self, root: Path, split: str):
+        import numpy as np
+
+        self.root, self.index = root, read_index(root, split)
+        self.classes: list[str] = self.index["classes"]
+        self.label = {c: i for i, c in enumerate(self.classes)}
+        self.ends = np.cumsum([s["nsamples"] for s in self.index["shardlist"]])
+        self.open: dict[int, object] = {}
+
+    def __len__(self) -> int:
+        return int(self.ends[-1])
+
+    def __getstate__(self) -> dict:  # a worker opens its own maps
+        return {**self.__dict__, "open": {}}
+
+    def _shard(self, k: int):
+        if k not in self.open:
+            from wids.wids import IndexedTarSamples
+
+            path = self.root / self.index["shardlist"][k]["url"]
+            try:
+                self.open[k] = IndexedTarSamples(path=str(path))
+            except (OSError, ValueError, AssertionError) as e:
+                raise ConfigError(f"shard {path} cannot be read ({one_line(e, 80)}); copy it again or write the shards again") from None
+        return self.open[k]
+
+    def __getitem__(self, i: int) -> tuple[bytes, int, str]:
+        import numpy as np
+
+        k = int(np.searchsorted(self.ends, i, side="right"))
+        inner = i - (int(self.ends[k - 1]) if k else 0)
+        sample = self._shard(k)[inner]
+        return sample[".jpg"].getvalue(), self.label[sample[".cls"].getvalue().decode()], f"{self.index['shardlist'][k]['url']}:{sample['__key__']}"
+
+    def __iter__(self) -> Iterator[tuple[bytes, int, str]]:
+        return (self[i] for i in range(len(self)))
+
+
+def decode_all(root: Path, side: int) -> tuple[Split, Split]:
+    """Both splits decoded at ``side`` x ``side`` (shorter side, centre crop): the in-memory path
+    of shards that fit."""
+    import torch
+    from PIL import Image
+
+    from trainer.data import Split, resize_center, to_rgb
+
+    check(root)
+    out = []
+    for split in ("train", "test"):
+        ds = ShardSet(root, split)
+        say(f"decoding {len(ds):,} {split} images of {root} into the uint8 cache (once per data set and machine) ...")
+        images = torch.empty(len(ds), side, side, 3, dtype=torch.uint8)
+        labels = torch.empty(len(ds), dtype=torch.int64)
+        for i, (raw, label, _) in enumerate(ds):
+            with Image.open(io.BytesIO(raw)) as im:
+                images[i] = torch.frombuffer(bytearray(resize_center(to_rgb(im), side).tobytes()), dtype=torch.uint8).view(side, side, 3)
+            labels[i] = label
+        out.append(Split(images.permute(0, 3, 1, 2).contiguous(), labels, ds.classes))
+    return out[0], out[1]

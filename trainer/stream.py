@@ -1,0 +1,299 @@
+"""The streamed path: batches read from shards step by step, for sets that do not fit in memory.
+
+The order is the in-memory loaders' (trainer/loader.py): one permutation of the whole set per
+epoch from ``seed + epoch``, rank r takes every world-size-th image, so global batch k holds the
+same images at any world size, and a resume at step k (at any world size) reads on from there.
+Each image's crop and flip come from uniform numbers drawn for its place in the global batch
+from ``(seed, epoch, step)``: the same at any world size and after a resume.
+
+DataLoader workers read a step's JPEG bytes by index (trainer/shards.py). With ``decode=gpu`` the
+batch is decoded on the GPU in one nvjpeg call (torchvision.io.decode_jpeg on a list), then each
+image is cropped and resized there; with ``decode=cpu`` the workers decode (libjpeg-turbo through
+torchvision.io), crop and resize, and the step receives uint8 images. Host memory is bounded by
+the workers' prefetched batches (2 per worker), whatever the set's size.
+
+A JPEG that does not decode (a damaged shard) is skipped: a copy of the batch's first good image
+takes its place (the batch keeps its shape; compiled steps and CUDA graphs need it), a line names
+the shard and key, and past ``data.max_bad_images`` on one rank the run stops with exit 2.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset
+
+from trainer.config import Config, ConfigError
+from trainer.contract import say
+from trainer.loader import epoch_order
+from trainer.runtime import Runtime
+from trainer.shards import ShardSet
+
+SCALE = (0.08, 1.0)
+RATIO = (3 / 4, 4 / 3)
+
+
+def crop_boxes(u: torch.Tensor, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Random-resized-crop boxes [n, 4] (top, left, height, width) from uniforms ``u`` [n, >=4] and
+    the images' sizes: torchvision's area (8-100 %) and aspect ratio (3/4-4/3, log-uniform) without
+    its rejection loop (a box that overflows is clipped to the image), so a box depends on its four
+    numbers and the image alone."""
+    h, w = h.double(), w.double()
+    area = h * w * (SCALE[0] + (SCALE[1] - SCALE[0]) * u[:, 0].double())
+    ratio = torch.exp(math.log(RATIO[0]) + (math.log(RATIO[1]) - math.log(RATIO[0])) * u[:, 1].double())
+    cw = torch.sqrt(area * ratio).round().clamp(1, None).minimum(w)
+    ch = torch.sqrt(area / ratio).round().clamp(1, None).minimum(h)
+    top = ((h - ch) * u[:, 2].double()).floor()
+    left = ((w - cw) * u[:, 3].double()).floor()
+    return torch.stack([top, left, ch, cw], 1).long()
+
+
+def center_box(h: int, w: int, size: int) -> tuple[int, int, int, int]:
+    """The test crop: torchvision's Resize(size * 8/7) + CenterCrop(size) as one box of the image."""
+    side = min(h, w) * size / round(size * 8 / 7)
+    ch = cw = max(1, round(side))
+    return (h - ch) // 2, (w - cw) // 2, ch, cw
+
+
+def step_uniforms(seed: int, epoch: int, step: int, global_batch: int) -> torch.Tensor:
+    """[global_batch, 5] uniforms of one global step (crop box and flip coin per place)."""
+    g = torch.Generator().manual_seed(((seed * 1_000_003 + epoch) * 1_000_033 + step) % (2**63))
+    return torch.rand(global_batch, 5, generator=g)
+
+
+def decode_cpu(raw: torch.Tensor) -> torch.Tensor:
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    return decode_jpeg(raw, mode=ImageReadMode.RGB)
+
+
+def crop_resize(img: torch.Tensor, box, size: int, flip: bool = False) -> torch.Tensor:
+    """uint8 [3, H, W] -> float [3, size, size]: the box, resized (bilinear, antialiased), mirrored."""
+    top, left, ch, cw = (int(v) for v in box)
+    x = img[:, top : top + ch, left : left + cw].unsqueeze(0).float()
+    x = F.interpolate(x, size=(size, size), mode="bilinear", antialias=True, align_corners=False)[0]
+    return x.flip(2) if flip else x
+
+
+class StepBatches(Dataset):
+    """Item (epoch, step): this rank's images of that global step. GPU decode: the raw JPEG bytes;
+    CPU decode: decoded, cropped, resized and mirrored uint8 images. Worker processes run it."""
+
+    def __init__(self, shards: ShardSet, rank: int, world: int, per_rank: int, seed: int, size: int, flip: bool, on_cpu: bool, train: bool = True):
+        self.shards, self.rank, self.world, self.b, self.seed = shards, rank, world, per_rank, seed
+        self.size, self.flip, self.on_cpu, self.train = size, flip, on_cpu, train
+        self._order: tuple[int, torch.Tensor] | None = None
+
+    def mine(self, epoch: int) -> torch.Tensor:
+        if self._order is None or self._order[0] != epoch:
+            order = epoch_order(len(self.shards), self.seed, epoch)
+            self._order = (epoch, order[: len(order) // self.world * self.world][self.rank :: self.world])
+        return self._order[1]
+
+    def __getitem__(self, item: tuple[int, int]):
+        epoch, step = item
+        idx = self.mine(epoch)[step * self.b : (step + 1) * self.b]
+        u = step_uniforms(self.seed, epoch, step, self.b * self.world)[self.rank :: self.world]
+        raws, labels, where = read(self.shards, idx.tolist())
+        if not self.on_cpu:
+            return raws, labels, idx, u, where
+        x, labels, bad = decode_crop_cpu(raws, labels, where, self.size, u if self.train else None, self.flip)
+        return x, labels, idx, bad
+
+
+def fill_bad(images: list, bad: list[int], labels: torch.Tensor, where: list[str]):
+    """Stack the batch; a place whose image did not decode takes a copy of the first good one
+    (image and label), and its shard and key are returned for the count and the line."""
+    good = next((j for j in range(len(images)) if images[j] is not None), None)
+    if good is None:
+        raise ConfigError(f"no image of a batch decodes (first: {where[0]}); the shards are damaged: write them again")
+    for j in bad:
+        images[j], labels[j] = images[good], labels[good]
+    return torch.stack(images), labels, [where[j] for j in bad]
+
+
+def workers(cfg: Config, rt: Runtime, gpu_decode: bool) -> int:
+    if cfg.data.stream_workers:
+        return cfg.data.stream_workers
+    if gpu_decode:
+        return 4
+    import os
+
+    return max(1, min(16, len(os.sched_getaffinity(0)) // max(1, rt.local_world_size)))
+
+
+class StreamLoader:
+    """Training batches from shards: (normalised float images, labels, data-set indices) per step,
+    as DeviceLoader and HostLoader give them."""
+
+    def __init__(self, cfg: Config, rt: Runtime, per_rank_batch: int, augment, gpu_decode: bool):
+        self.rt, self.b, self.augment, self.gpu = rt, per_rank_batch, augment, gpu_decode
+        self.size, self.max_bad, self.bad = cfg.data.image_size, cfg.data.max_bad_images, 0
+        self.shards = ShardSet(Path(cfg.data.dir), "train")
+        self.steps_per_epoch = len(self.shards) // (per_rank_batch * rt.world_size)
+        self.data = StepBatches(self.shards, rt.rank, rt.world_size, per_rank_batch, cfg.train.seed, self.size, cfg.data.flip, not gpu_decode)
+        n = workers(cfg, rt, gpu_decode)
+        self.loader_args = {"num_workers": n, "pin_memory": rt.cuda, "prefetch_factor": 2 if n else None,
+                            "persistent_workers": n > 0, "batch_size": None, "collate_fn": _as_is}
+        self._loader: DataLoader | None = None
+        self._sampler = _Steps()
+
+    def epoch(self, epoch: int, start_step: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        self._sampler.items = [(epoch, k) for k in range(start_step, self.steps_per_epoch)]
+        if self._loader is None:
+            self._loader = DataLoader(self.data, sampler=self._sampler, **self.loader_args)
+        for item in self._loader:
+            yield self.finish(item)
+
+    def finish(self, item) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A worker's batch on the device, decoded (GPU path), mirrored and normalised."""
+        dev = self.rt.device
+        if self.gpu:
+            raws, labels, idx, u, where = item
+            x, labels, bad = decode_on_gpu(raws, labels, where, self.size, dev, u, self.augment.flip)
+        else:
+            x, labels, idx, bad = item
+            x = x.to(dev, non_blocking=True)
+        self.count_bad(bad)
+        return self.augment.normalize(x), labels.to(dev, non_blocking=True), idx.to(dev, non_blocking=True)
+
+    def count_bad(self, bad: list[str]) -> None:
+        if not bad:
+            return
+        self.bad += len(bad)
+        say(f"rank {self.rt.rank}: skipped {len(bad)} image(s) that do not decode ({', '.join(bad[:2])}); {self.bad} so far, "
+            f"the run stops past data.max_bad_images={self.max_bad}")
+        if self.bad > self.max_bad:
+            shard = bad[0].split(":")[0]
+            raise ConfigError(f"{self.bad} images did not decode on rank {self.rt.rank} (past data.max_bad_images={self.max_bad}; last in "
+                              f"{shard}): the shards are damaged; write them again with trainer data --shards, or copy {shard} again")
+
+    def first_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Epoch 0's first batch (warm-up): the same images and crops the first step reads."""
+        x, y, _ = self.finish(_as_is(self.data[(0, 0)]))
+        return x, y
+
+
+def decode_on_gpu(raws: list[torch.Tensor], labels: torch.Tensor, where: list[str], size: int, device: torch.device,
+                  u: torch.Tensor | None = None, flip: bool = False):
+    """One nvjpeg call for the batch, then each image's crop (random-resized from ``u``, or the
+    test centre crop without it) resized to ``size`` on the GPU: float [n, 3, size, size]."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    try:
+        images, bad = decode_jpeg(raws, mode=ImageReadMode.RGB, device=device), []
+    except RuntimeError:  # one bad JPEG fails the batched call: decode one by one to find it
+        images, bad = [], []
+        for j, raw in enumerate(raws):
+            try:
+                images.append(decode_jpeg(raw, mode=ImageReadMode.RGB, device=device))
+            except RuntimeError:
+                images.append(None)
+                bad.append(j)
+    out = []
+    for j, img in enumerate(images):
+        if img is None:
+            out.append(None)
+            continue
+        h, w = img.shape[1], img.shape[2]
+        box = center_box(h, w, size) if u is None else crop_boxes(u[j : j + 1], torch.tensor([h]), torch.tensor([w]))[0]
+        out.append(crop_resize(img, box, size, u is not None and flip and bool(u[j, 4] < 0.5)))
+    return fill_bad(out, bad, labels, where)
+
+
+class Streamed:
+    """A split that stays in its shards (the run's train_split or test_split on the streamed path)."""
+
+    images = None
+
+    def __init__(self, root: Path, split: str):
+        self.shards = ShardSet(root, split)
+        self.classes = self.shards.classes
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+
+class _Steps:
+    """The sampler of (epoch, step) items: set before each epoch; persistent workers keep reading."""
+
+    def __init__(self):
+        self.items: list[tuple[int, int]] = []
+
+    def __iter__(self):
+        return iter(list(self.items))
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+def _as_is(item):
+    return item
+
+
+def eval_batches(cfg: Config, rt: Runtime, batch: int, gpu_decode: bool) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's contiguous share of the test shards in batches, centre-cropped at
+    data.image_size (uint8 from CPU workers, float from the GPU's decoder); every rank yields the
+    same number of batches (the last ones may be empty), as trainer/loader.py's eval_batches."""
+    from trainer.loader import eval_shard
+
+    shards = ShardSet(Path(cfg.data.dir), "test")
+    mine, size = eval_shard(len(shards), rt), cfg.data.image_size
+    longest = math.ceil(len(shards) / rt.world_size)
+    total = math.ceil(longest / batch)
+    data = _EvalBatches(shards, mine, batch, size, not gpu_decode)
+    loader = DataLoader(data, batch_size=None, num_workers=min(len(data), workers(cfg, rt, gpu_decode)), collate_fn=_as_is, pin_memory=rt.cuda)
+    for item in loader:
+        if gpu_decode:
+            x, labels, _ = decode_on_gpu(item[0], item[1], item[2], size, rt.device)
+        else:
+            x, labels = item[0].to(rt.device, non_blocking=True), item[1]
+        yield x, labels.to(rt.device, non_blocking=True)
+    for _ in range(total - len(data)):
+        yield torch.empty(0, 3, size, size, dtype=torch.uint8, device=rt.device), torch.empty(0, dtype=torch.long, device=rt.device)
+
+
+class _EvalBatches(Dataset):
+    def __init__(self, shards: ShardSet, mine: range, batch: int, size: int, on_cpu: bool):
+        self.shards, self.mine, self.batch, self.size, self.on_cpu = shards, mine, batch, size, on_cpu
+
+    def __len__(self) -> int:
+        return -(-len(self.mine) // self.batch)
+
+    def __getitem__(self, k: int):
+        ids = self.mine[k * self.batch : (k + 1) * self.batch]
+        raws, labels, where = read(self.shards, ids)
+        if not self.on_cpu:
+            return raws, labels, where
+        return decode_crop_cpu(raws, labels, where, self.size, None, False)[:2]
+
+
+def read(shards: ShardSet, ids) -> tuple[list[torch.Tensor], torch.Tensor, list[str]]:
+    """The JPEG bytes (as uint8 tensors), labels and names of samples ``ids``."""
+    raws, labels, where = [], [], []
+    for i in ids:
+        raw, label, name = shards[int(i)]
+        raws.append(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+        labels.append(label)
+        where.append(name)
+    return raws, torch.tensor(labels, dtype=torch.long), where
+
+
+def decode_crop_cpu(raws, labels, where, size: int, u: torch.Tensor | None, flip: bool):
+    """The CPU path of :func:`decode_on_gpu`, in a worker: uint8 [n, 3, size, size]."""
+    images, bad = [], []
+    for j, raw in enumerate(raws):
+        try:
+            img = decode_cpu(raw)
+        except RuntimeError:
+            images.append(None)
+            bad.append(j)
+            continue
+        h, w = img.shape[1], img.shape[2]
+        box = center_box(h, w, size) if u is None else crop_boxes(u[j : j + 1], torch.tensor([h]), torch.tensor([w]))[0]
+        images.append(crop_resize(img, box, size, u is not None and flip and bool(u[j, 4] < 0.5)).round().clamp(0, 255).to(torch.uint8))
+    return fill_bad(images, bad, labels, where)
