@@ -298,3 +298,32 @@ def test_a_restart_on_a_fresh_node_finds_its_checkpoint_and_compile_cache(tmp_pa
     # DDP graph split at buckets, which seed.yaml's does on several GPUs and no config on one
     if NPROC == 1 or "seed" not in config:
         assert warm["graph_cache"]["aot_autograd_bypass"] == 0, warm["graph_cache"]
+
+
+def test_streamed_shards_decode_on_the_gpu_like_the_cpu(tmp_path):
+    """The streamed path's GPU decode (nvjpeg, one call per batch) reads the same images, labels
+    and crops as the CPU workers' decode; a damaged JPEG is skipped and counted on both."""
+    from conftest import make_jpegs
+
+    from trainer.config import load_config
+    from trainer.loader import Augment
+    from trainer.runtime import setup, teardown
+    from trainer.shards import write
+    from trainer.stream import StreamLoader
+
+    make_jpegs(tmp_path / "img", train=30, test=10, size=48)
+    write(tmp_path / "img", tmp_path / "sh")
+    out = {}
+    for decode in ("gpu", "cpu"):
+        cfg = load_config(None, ["data.name=shards", f"data.dir={tmp_path / 'sh'}", "data.image_size=96", f"data.decode={decode}",
+                                 "train.batch_size=50", "data.stream_workers=1", "train.strategy=single", f"checkpoint.dir={tmp_path / 'ck'}"])
+        rt = setup(cfg)
+        try:
+            loader = StreamLoader(cfg, rt, 50, Augment(cfg, rt, False, 50, 6), decode == "gpu")
+            out[decode] = [(x.float().cpu(), y.cpu(), i.cpu()) for x, y, i in loader.epoch(0)]
+        finally:
+            teardown()
+    assert len(out["gpu"]) == len(out["cpu"]) == 6
+    for (xg, yg, ig), (xc, yc, ic) in zip(out["gpu"], out["cpu"], strict=True):
+        assert torch.equal(yg, yc) and torch.equal(ig, ic) and xg.shape == xc.shape == (50, 3, 96, 96)
+        assert (xg - xc).abs().mean() < 0.1  # normalised units: JPEG decoders differ by a few levels, the rounding to uint8 on the CPU

@@ -378,10 +378,14 @@ def _resized(split: Split, side: int) -> Split:
     """A uint8 split at ``side`` x ``side`` (CIFAR-10 or the synthetic set at another data.image_size)."""
     if split.images.shape[-1] == side:
         return split
+    import torch
     import torch.nn.functional as F
 
-    x = F.interpolate(split.images.float(), size=(side, side), mode="bilinear", antialias=True, align_corners=False)
-    return Split(x.round().clamp(0, 255).to(split.images.dtype), split.labels, split.classes)
+    out = torch.empty(len(split), 3, side, side, dtype=torch.uint8)
+    for i in range(0, len(split), 1024):  # in chunks: the float copy of a whole set at 256 px is 4x its uint8 bytes
+        x = F.interpolate(split.images[i : i + 1024].float(), size=(side, side), mode="bilinear", antialias=True, align_corners=False)
+        out[i : i + 1024] = x.round().clamp(0, 255)
+    return Split(out, split.labels, split.classes)
 
 
 # --------------------------------------------------------------------------------------------

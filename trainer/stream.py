@@ -123,7 +123,7 @@ def workers(cfg: Config, rt: Runtime, gpu_decode: bool) -> int:
         return 4
     import os
 
-    return max(1, min(16, len(os.sched_getaffinity(0)) // max(1, rt.local_world_size)))
+    return max(1, min(16, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
 class StreamLoader:

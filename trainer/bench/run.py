@@ -18,6 +18,7 @@ Suites:
     ablation          the speed recipe with one switch off at a time
     seeds             the speed recipe on more seeds (--seeds)
     resnet18          the default recipe on real data, all GPUs; resnet18-scaling: one GPU, then all
+    data              ResNet-50 at 224 px from JPEG shards, beside synthetic data on the GPU and the reference loader
 Diagnoses that answered their question (DDP overlap traces, NCCL channels, profiles) are in git
 history beside their figures in bench/results.
 """
@@ -337,7 +338,16 @@ def _seednet_weights(b: Bench) -> None:
     b.ours("ours-ddp-b1024-bf16w-gather", b.gpus, 1024, [*bf16w, *ways["gather"]], steps=30)
 
 
-SUITES = {"restart": _restart, "micro": _micro, "article": _article, "seednet": _seednet, "stall": _stall,
+def _data(b: Bench) -> None:
+    """ResNet-50 at 224 px fed three ways (trainer/bench/data.py), its rows appended as they are."""
+    from trainer.bench import data
+
+    rows = data.run(b.out / "data", Path(b.data))
+    for row in rows:
+        b.append({"run": f"data-{row['case']}", **row})
+
+
+SUITES = {"data": _data, "restart": _restart, "micro": _micro, "article": _article, "seednet": _seednet, "stall": _stall,
           "recipes": _recipes, "ablation": _ablation, "seeds": _seeds, "seednet-ablation": _seednet_ablation,
           "resnet18": _resnet18, "resnet18-scaling": _resnet18_scaling, "seednet-weights": _seednet_weights}
 

@@ -1,0 +1,96 @@
+"""trainer/shards.py: an image folder written as WebDataset shards once, read back by index; bad
+input in one line each (real files, real tars, the real CLI)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_jpegs, run, trainer_cmd
+from PIL import Image
+
+from trainer import shards
+from trainer.config import ConfigError
+
+
+def odd_images(root: Path) -> Path:
+    """Class folders whose images are what users have: a transparent PNG, grayscale, CMYK, a
+    progressive JPEG, a large photo-sized one, and a file that is no image at all."""
+    for split in ("train", "test"):
+        for cls, colour in (("alpha", (200, 10, 10)), ("gray", (90, 90, 90)), ("cmyk", (10, 200, 10))):
+            d = root / split / cls
+            d.mkdir(parents=True, exist_ok=True)
+            for i in range(3):
+                rgba = Image.new("RGBA", (40, 30), (*colour, 255))
+                rgba.paste((0, 0, 0, 0), (0, 0, 20, 30))  # the left half transparent
+                rgba.save(d / f"a{i}.png")
+                Image.new("L", (30, 40), 90).save(d / f"g{i}.jpg")
+                Image.new("CMYK", (36, 36), (0, 255, 0, 0)).save(d / f"c{i}.jpg")
+                Image.new("RGB", (1200, 900), colour).save(d / f"p{i}.jpg", progressive=True)
+    (root / "train" / "gray" / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
+    return root
+
+
+def test_odd_images_become_rgb_jpegs_and_a_broken_one_is_skipped_and_counted(tmp_path):
+    root = odd_images(tmp_path / "img")
+    with pytest.warns(UserWarning, match=r"skipped 1 unreadable image\(s\) of train: .*broken.jpg"):
+        index = shards.write(root, tmp_path / "sh", max_side=256)
+    train = index["train"]
+    assert train["classes"] == ["alpha", "cmyk", "gray"] and train["images"] == 36 and train["skipped"] == 1
+    assert json.loads((tmp_path / "sh" / "train.json").read_text())["__kind__"] == "wids-shard-index-v1"
+    ds = shards.ShardSet(tmp_path / "sh", "train")
+    assert len(ds) == 36
+    from torchvision.io import decode_jpeg
+
+    sides = []
+    for raw, label, where in ds:
+        img = decode_jpeg(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+        assert img.shape[0] == 3, where  # RGB, whatever the source
+        sides.append(min(img.shape[1:]))
+        if where.endswith(("000000000", "000000001", "000000002")):  # the transparent PNGs: the clear half is white
+            assert img[:, :, :10].float().mean() > 240 and ds.classes[label] == "alpha"
+    assert max(sides) == 256  # the 1200x900 photos scaled down to --max-side
+
+
+def test_train_and_test_with_other_classes_is_refused(tmp_path):
+    root = make_jpegs(tmp_path / "img", train=3, test=2)
+    (root / "test" / "class9").rename(root / "test" / "zebra")
+    with pytest.raises(ConfigError, match=r"different classes \(only in train: class9; only in test: zebra\)"):
+        shards.write(root, tmp_path / "sh")
+
+
+def test_missing_cut_or_foreign_shards_are_one_line_and_exit_2(tmp_path):
+    root = make_jpegs(tmp_path / "img", train=6, test=2)
+    sh = tmp_path / "sh"
+    shards.write(root, sh)
+    args = ["data.name=shards", f"data.dir={sh}", f"checkpoint.dir={tmp_path / 'ck'}", "model.name=tinynet"]
+    tar = next(sh.glob("train-*.tar"))
+    whole = tar.read_bytes()
+    for damage, words in (("cut", "is cut short or replaced"), ("gone", "is missing or unreadable"), ("no index", "train.json does not exist")):
+        if damage == "cut":
+            tar.write_bytes(whole[: len(whole) // 2])
+        elif damage == "gone":
+            tar.unlink()
+        else:
+            tar.write_bytes(whole)
+            (sh / "train.json").rename(sh / "train.json.bak")
+        p = run(trainer_cmd("train", *args), check=False)
+        errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+        assert p.returncode == 2 and len(errors) == 1 and words in errors[0], (damage, p.stderr)
+        assert "Traceback" not in p.stderr
+    assert "trainer data --shards" in errors[0]
+
+
+def test_shards_that_fit_train_in_memory_and_the_start_line_names_the_data(tmp_path):
+    root = make_jpegs(tmp_path / "img", train=20, test=5, size=48)
+    p = run(trainer_cmd("data", "--shards", str(tmp_path / "sh"), "data.name=imagefolder", f"data.dir={root}"))
+    assert "200 train and 50 test images, 10 classes" in p.stdout and f"data.dir={tmp_path / 'sh'}" in p.stdout
+    p = run(trainer_cmd("train", "--config", "configs/smoke.yaml", "data.name=shards", f"data.dir={tmp_path / 'sh'}", "model.name=airnet",
+                        "train.epochs=1", f"checkpoint.dir={tmp_path / 'ck'}"))
+    start = next(line for line in (p.stdout + p.stderr).splitlines() if line.startswith("airnet |"))
+    assert f"shards {tmp_path / 'sh'}: 200 train / 50 test images, 10 classes, 48 px (auto: the images' median shorter side 48 px)" in start
+    assert "| in memory, in host memory:" in start
+    state = torch.load(tmp_path / "ck" / "step-3" / "state.pt", weights_only=True)
+    assert state["classes"] == [f"class{c}" for c in range(10)] and state["config"]["data"]["image_size"] == 48

@@ -1,0 +1,136 @@
+"""trainer/stream.py: the streamed path keeps the in-memory path's exactness. Global batch k holds
+the same images at any world size, a resume continues the order with no image skipped or seen
+twice (real torchrun, 2 processes then 3), and a damaged JPEG inside a shard is skipped, counted,
+and past data.max_bad_images stops the run with exit 2."""
+
+from __future__ import annotations
+
+import tarfile
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, env, make_jpegs, run, torchrun_cmd
+from test_shards import odd_images
+
+from trainer.config import ConfigError
+from trainer.loader import epoch_order
+from trainer.shards import ShardSet, write
+from trainer.stream import StepBatches, crop_boxes
+
+
+@pytest.fixture
+def shard_dir(tmp_path) -> Path:
+    write(make_jpegs(tmp_path / "img", train=12, test=3, size=40), tmp_path / "sh")  # 120 train images
+    return tmp_path / "sh"
+
+
+def global_batch(sh: Path, world: int, epoch: int, step: int, per_rank: int) -> tuple[list[int], torch.Tensor]:
+    """Every rank's part of one global step, put back in global order: ids and images."""
+    parts = [StepBatches(ShardSet(sh, "train"), r, world, per_rank, seed=3, size=24, flip=True, on_cpu=True)[(epoch, step)] for r in range(world)]
+    ids, images = [0] * (per_rank * world), [None] * (per_rank * world)
+    for r, (x, _, idx, _) in enumerate(parts):
+        for j in range(per_rank):
+            ids[j * world + r], images[j * world + r] = int(idx[j]), x[j]
+    return ids, torch.stack(images)
+
+
+def test_a_global_batch_is_the_same_images_and_crops_at_any_world_size(shard_dir):
+    for epoch, step in ((0, 0), (1, 5)):
+        ids1, x1 = global_batch(shard_dir, 1, epoch, step, 12)
+        for world in (2, 3):
+            ids, x = global_batch(shard_dir, world, epoch, step, 12 // world)
+            assert ids == ids1 and torch.equal(x, x1)
+        assert ids1 == epoch_order(120, 3, epoch)[step * 12 : (step + 1) * 12].tolist()  # the in-memory loaders' order
+    assert global_batch(shard_dir, 1, 0, 0, 12)[0] != global_batch(shard_dir, 1, 1, 0, 12)[0]  # a new order every epoch
+
+
+def test_crop_boxes_stay_inside_the_image_with_torchvisions_area_and_ratio():
+    u = torch.rand(4000, 4, generator=torch.Generator().manual_seed(0))
+    h, w = torch.full((4000,), 300), torch.full((4000,), 500)
+    top, left, ch, cw = crop_boxes(u, h, w).unbind(1)
+    assert (top >= 0).all() and (left >= 0).all() and (top + ch <= 300).all() and (left + cw <= 500).all()
+    area = (ch * cw).float() / (300 * 500)
+    assert area.min() >= 0.07 and area.max() <= 1.0 and 0.4 < area.median() < 0.65
+    assert torch.equal(crop_boxes(u, h, w), crop_boxes(u.clone(), h, w))  # four numbers and the size decide a box
+
+
+def damage_one_jpeg(sh: Path) -> str:
+    """Overwrite the middle of the first training JPEG inside its shard (the tar stays valid)."""
+    tar_path = next(sh.glob("train-*.tar"))
+    with tarfile.open(tar_path) as tar:
+        member = next(m for m in tar if m.name.endswith(".jpg"))
+    data = bytearray(tar_path.read_bytes())
+    start = member.offset_data + 2
+    data[start : start + member.size - 4] = b"\x00" * (member.size - 4)
+    tar_path.write_bytes(bytes(data))
+    return f"{tar_path.name}:{member.name.split('.')[0]}"
+
+
+def test_a_damaged_jpeg_in_a_shard_is_skipped_counted_and_past_the_limit_stops(shard_dir, capsys):
+    from trainer.config import load_config
+    from trainer.loader import Augment
+    from trainer.runtime import setup, teardown
+    from trainer.stream import StreamLoader
+
+    name = damage_one_jpeg(shard_dir)
+    base = ["data.name=shards", f"data.dir={shard_dir}", "data.image_size=24", "train.batch_size=120", "data.stream_workers=1",
+            "train.strategy=cpu", "checkpoint.dir=/tmp/unused"]
+    for limit, stops in ((1, False), (0, True)):
+        cfg = load_config(None, [*base, f"data.max_bad_images={limit}"])
+        rt = setup(cfg)
+        try:
+            loader = StreamLoader(cfg, rt, 120, Augment(cfg, rt, False, 120, 1), gpu_decode=False)
+            if stops:
+                with pytest.raises(ConfigError, match=r"1 images did not decode on rank 0 \(past data.max_bad_images=0; last in train-000000.tar\)"):
+                    list(loader.epoch(0))
+                continue
+            ((x, y, idx),) = list(loader.epoch(0))
+        finally:
+            teardown()
+        assert x.shape == (120, 3, 24, 24) and len(set(idx.tolist())) == 120  # the batch keeps its shape
+        assert f"rank 0: skipped 1 image(s) that do not decode ({name}); 1 so far" in capsys.readouterr().err
+
+
+def test_odd_images_stream_as_rgb(tmp_path):
+    from trainer.stream import decode_crop_cpu, read
+
+    with pytest.warns(UserWarning):
+        write(odd_images(tmp_path / "img"), tmp_path / "sh", max_side=128)
+    raws, labels, where = read(ShardSet(tmp_path / "sh", "train"), range(36))
+    x, y, bad = decode_crop_cpu(raws, labels, where, 32, None, False)
+    assert x.shape == (36, 3, 32, 32) and not bad and torch.equal(y, labels)
+
+
+@pytest.mark.slow
+def test_a_resume_at_another_world_size_continues_the_order_with_every_image_once(tmp_path, shard_dir):
+    """Real torchrun: 2 processes train 7 steps of the 10-step epoch and stop, 3 processes resume
+    from that checkpoint and finish 2 epochs. Every image of each epoch trains exactly once, step
+    by step the same global batches as one process trains."""
+    job = ["--config", "configs/smoke.yaml", "data.name=shards", f"data.dir={shard_dir}", "data.loader=stream", "data.image_size=32",
+           "train.batch_size=12", "train.epochs=2", "data.stream_workers=1", "train.plot=false", "train.tensorboard=false"]
+
+    def steps(folder: Path) -> dict[tuple[int, int], list[int]]:
+        out: dict[tuple[int, int], list[int]] = {}
+        for f in sorted(folder.glob("samples-rank*.txt")):
+            for line in f.read_text().splitlines():
+                epoch, step, *ids = map(int, line.split())
+                out.setdefault((epoch, step), []).extend(ids)
+        return out
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir()
+    two.mkdir()
+    run(["python", "-m", "trainer", "train", *job, f"checkpoint.dir={tmp_path / 'ck1'}"], env=env(TRAINER_SAMPLE_TRACE=str(one)), cwd=ROOT)
+    run(torchrun_cmd(2, "train", *job, "train.max_steps=7", f"checkpoint.dir={tmp_path / 'ck2'}"), env=env(TRAINER_SAMPLE_TRACE=str(two)), cwd=ROOT)
+    assert max(steps(two)) == (0, 6)
+    p = run(torchrun_cmd(3, "train", *job, f"checkpoint.dir={tmp_path / 'ck2'}"), env=env(TRAINER_SAMPLE_TRACE=str(two)), cwd=ROOT)
+    assert "resuming from" in p.stdout + p.stderr and "(epoch 0, step 7)" in p.stdout + p.stderr
+    reference, resumed = steps(one), steps(two)
+    assert sorted(resumed) == sorted(reference) and len(reference) == 20
+    for key, ids in reference.items():
+        assert sorted(resumed[key]) == sorted(ids), key  # the same global batch, step by step
+    for epoch in (0, 1):
+        seen = Counter(i for (e, _), ids in resumed.items() if e == epoch for i in ids)
+        assert len(seen) == 120 and set(seen.values()) == {1}  # every image once, none skipped or twice

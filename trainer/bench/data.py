@@ -1,0 +1,161 @@
+"""``trainer bench --suite data``: ResNet-50 at 224 px (bf16, channels-last, compiled, batch 256, one
+GPU) fed three ways in one call: synthetic images already on the GPU (the ceiling), JPEG shards
+streamed and decoded on the GPU (this trainer), and torchvision's reference loader (ImageFolder,
+PIL RandomResizedCrop and flip, a DataLoader with a worker per core, pinned memory).
+
+There is no large image set offline: the set is CIFAR-10's JPEGs upscaled to 256 px and re-encoded
+(quality 90), made here from the tarballs in ``--cifar``. Host memory: the streamed run again over
+an index that lists every shard 16 times (16x the images, the same files), peak RSS of each.
+
+    python -m trainer.bench.data OUT --cifar DIR [--images 25600] [--steps 120]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from multiprocessing import Pool
+from pathlib import Path
+
+MODEL = ["model.name=resnet50", "data.image_size=224", "train.batch_size=256", "train.epochs=1", "train.log_every=10", "train.plot=false",
+         "train.tensorboard=false", "checkpoint.every_epochs=0", "optim.lr=0.1", "data.eval_batch_size=256"]
+
+
+def _upscale(item: tuple[str, bytes, str]) -> None:
+    import io
+
+    from PIL import Image
+
+    name, raw, out = item
+    Image.open(io.BytesIO(raw)).convert("RGB").resize((256, 256), Image.BICUBIC).save(out, quality=90)
+
+
+def make_set(cifar: Path, root: Path, images: int, test: int = 1024) -> None:
+    """CIFAR-10's first ``images`` train and ``test`` test JPEGs (round robin over classes), upscaled to 256 px."""
+    jobs = []
+    for split, n in (("train", images), ("test", test)):
+        with tarfile.open(next(cifar.glob(f"*{split}*.tar.gz"))) as tar:
+            members = [m for m in tar if m.isfile() and m.name.endswith(".jpg")]
+            by_class: dict[str, list] = {}
+            for m in members:
+                by_class.setdefault(Path(m.name).parts[-2], []).append(m)
+            picked = [by_class[c][i] for i in range(n // len(by_class) + 1) for c in sorted(by_class) if i < len(by_class[c])][:n]
+            for m in picked:
+                out = root / split / Path(m.name).parts[-2] / Path(m.name).name
+                out.parent.mkdir(parents=True, exist_ok=True)
+                jobs.append((m.name, tar.extractfile(m).read(), str(out)))
+    with Pool(os.cpu_count()) as pool:
+        pool.map(_upscale, jobs, chunksize=256)
+
+
+def trainer_run(name: str, args: list[str], out: Path) -> dict:
+    """One `trainer train` run; its steady images/s (median of the log windows after the first
+    two), data share of a step and peak RSS."""
+    ck = out / f"ck-{name}"
+    t0 = time.time()
+    # a wrapper process, so that the peak RSS read is this run's (its largest process, workers included)
+    wrap = "import resource,subprocess,sys; subprocess.run(sys.argv[1:]); print('RSS_MB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024)"
+    p = subprocess.run([sys.executable, "-c", wrap, sys.executable, "-m", "trainer", "train", *MODEL, f"checkpoint.dir={ck}", *args],
+                       capture_output=True, text=True)
+    (out / f"{name}.log").write_text(p.stdout + p.stderr)
+    rows = [json.loads(line) for line in (ck / "metrics.jsonl").read_text().splitlines()] if (ck / "metrics.jsonl").exists() else []
+    logs = [r["images_per_s"] for r in rows if r.get("event") == "log"][2:]
+    epoch = next((r for r in rows if r.get("event") == "epoch"), {})
+    share = epoch.get("data_ms_per_step", 0) / max(1e-9, epoch.get("data_ms_per_step", 0) + epoch.get("step_ms_per_step", 0)) if epoch else None
+    return {"case": name, "rc": p.returncode, "images_per_s": statistics.median(logs) if logs else None, "data_share": share,
+            "max_rss_MB": float(p.stdout.split("RSS_MB")[-1]) if "RSS_MB" in p.stdout else None, "wall_s": round(time.time() - t0, 1),
+            "tail": (p.stdout + p.stderr)[-600:] if p.returncode else ""}
+
+
+def reference(root: Path, steps: int) -> dict:
+    """torchvision's reference recipe's loader feeding the same compiled bf16 channels-last step."""
+    import torch
+    import torchvision
+    from torchvision import transforms as T
+
+    tf = T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))])
+    ds = torchvision.datasets.ImageFolder(str(root / "train"), tf)
+    workers = len(os.sched_getaffinity(0)) - 1
+    loader = torch.utils.data.DataLoader(ds, batch_size=256, shuffle=True, num_workers=workers, pin_memory=True, drop_last=True,
+                                         persistent_workers=True, prefetch_factor=4)
+    model = torchvision.models.resnet50(num_classes=10).cuda().to(memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
+    step = torch.compile(lambda x, y: torch.nn.functional.cross_entropy(model(x), y))
+
+    def batches():
+        while True:
+            yield from loader
+
+    it, times = batches(), []
+    for i in range(steps):
+        x, y = next(it)
+        x, y = x.cuda(non_blocking=True).contiguous(memory_format=torch.channels_last), y.cuda(non_blocking=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = step(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if i % 10 == 0:
+            torch.cuda.synchronize()
+            times.append(time.perf_counter())
+    rates = [10 * 256 / (b - a) for a, b in zip(times[2:], times[3:], strict=False)]
+    t0, n = time.perf_counter(), 0
+    for _ in range(20):  # the loader alone
+        n += len(next(it)[0])
+    return {"case": "reference-loader", "images_per_s": statistics.median(rates), "loader_alone_images_per_s": n / (time.perf_counter() - t0),
+            "workers": workers}
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("out", type=Path)
+    p.add_argument("--cifar", type=Path, required=True)
+    p.add_argument("--images", type=int, default=25600)
+    p.add_argument("--steps", type=int, default=120)
+    a = p.parse_args(argv)
+    for r in run(a.out, a.cifar, a.images, a.steps):
+        print(json.dumps(r))
+    return 0
+
+
+def run(out: Path, cifar: Path, images: int = 25600, steps_n: int = 120) -> list[dict]:
+    """Every case of the suite; the rows, also written to OUT/data-bench.json."""
+    class A:
+        pass
+
+    a = A()
+    a.out, a.cifar, a.images, a.steps = out, cifar, images, steps_n
+    a.out.mkdir(parents=True, exist_ok=True)
+    root, shards = a.out / "jpeg256", a.out / "shards"
+    t0 = time.time()
+    if not (root / "test").is_dir():
+        make_set(a.cifar, root, a.images)
+    made = time.time() - t0
+    subprocess.run([sys.executable, "-m", "trainer", "data", "--shards", str(shards), "data.name=imagefolder", f"data.dir={root}"], check=True)
+    sized = json.loads((shards / "train.json").read_text())
+    big = dict(sized, images=sized["images"] * 16, shardlist=sized["shardlist"] * 16)
+    (a.out / "x16").mkdir(exist_ok=True)
+    for f in shards.iterdir():
+        if f.suffix == ".tar" and not (a.out / "x16" / f.name).exists():
+            (a.out / "x16" / f.name).symlink_to(f)
+    (a.out / "x16" / "train.json").write_text(json.dumps(big))
+    (a.out / "x16" / "test.json").write_text((shards / "test.json").read_text())
+    steps = [f"train.max_steps={a.steps}"]
+    rows = [{"case": "set", "images": a.images, "made_s": round(made, 1), "shard_bytes": sum(s["filesize"] for s in sized["shardlist"])}]
+    rows.append(trainer_run("ceiling-synthetic-on-gpu", ["data.name=synthetic", f"data.synthetic_train_size={a.images}",
+                                                         "data.synthetic_test_size=256", *steps], a.out))
+    rows.append(trainer_run("ours-shards-gpu-decode", ["data.name=shards", f"data.dir={shards}", "data.loader=stream", *steps], a.out))
+    rows.append(trainer_run("ours-shards-x16", ["data.name=shards", f"data.dir={a.out / 'x16'}", "data.loader=stream", *steps], a.out))
+    rows.append(reference(root, a.steps))
+    (a.out / "data-bench.json").write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
