@@ -15,9 +15,9 @@ from conftest import ROOT, env, make_jpegs, run, torchrun_cmd
 from test_shards import odd_images
 
 from trainer.config import ConfigError
-from trainer.loader import epoch_order
+from trainer.loader import crop_boxes, epoch_order
 from trainer.shards import ShardSet, write
-from trainer.stream import StepBatches, crop_boxes
+from trainer.stream import StepBatches
 
 
 @pytest.fixture

@@ -35,6 +35,6 @@ def preflight(cfg: Config) -> None:
         if not Path(d.dir).is_dir():
             raise ConfigError(f"data.dir={d.dir} does not exist; create it or point data.dir at the data set")
         for split in ("train", "test"):
-            data.check_archive(data._find_source(Path(d.dir), split))
+            data.check_archive(data.find_source(Path(d.dir), split))
     elif d.name == "cifar10" and not d.download and not (Path(d.dir) / "cifar-10-batches-py").is_dir():
         raise ConfigError(f"CIFAR-10 is not in data.dir={d.dir} and data.download=false; set data.download=true or point data.dir at it")

@@ -19,11 +19,9 @@ import contextlib
 import hashlib
 import io
 import os
-import tarfile
 import tempfile
 import time
 import warnings
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -31,8 +29,8 @@ from typing import TYPE_CHECKING
 from trainer.config import Config, ConfigError
 from trainer.contract import one_line, say
 from trainer.files import flock, replacing
+from trainer.folders import IMAGE_SUFFIXES, _archive, check_same_classes, find_source, members, resize_center, to_rgb
 
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 PROGRESS_S = 5.0
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR_STD = (0.2470, 0.2435, 0.2616)
@@ -186,81 +184,6 @@ def _cifar10(cfg: Config) -> tuple[Split, Split]:
 # imagefolder
 
 
-def _find_source(root: Path, split: str) -> Path:
-    folder = root / split
-    if folder.is_dir():
-        if not any(p.is_dir() for p in folder.iterdir()):
-            raise ConfigError(f"{folder} holds no class folders; expected {folder}/<class>/<image>")
-        return folder
-    tars = sorted(p for p in root.glob(f"*{split}*.tar.gz")) + sorted(root.glob(f"*{split}*.tgz"))
-    if tars:
-        return tars[0]
-    raise ConfigError(
-        f"data.dir={root} has no {split}/ folder of class folders and no *{split}*.tar.gz; "
-        f"point data.dir at a folder holding train/ and test/ class folders (or their .tar.gz)"
-    )
-
-
-def _members(source: Path):
-    """Yield (class name, file name, bytes) for every image under ``source``. A class folder
-    without images is a usage error: its class would exist with nothing to learn it from."""
-    if source.is_dir():
-        for cls_dir in sorted(p for p in source.iterdir() if p.is_dir()):
-            files = sorted(f for f in cls_dir.iterdir() if f.suffix.lower() in IMAGE_SUFFIXES)
-            if not files:
-                raise ConfigError(f"class folder {cls_dir} holds no images ({', '.join(IMAGE_SUFFIXES)}); add images or remove the folder")
-            for f in files:
-                yield cls_dir.name, str(f), f.read_bytes()
-        return
-    with _archive(source) as tar:
-        for m in tar:
-            parts = Path(m.name).parts
-            if m.isfile() and len(parts) >= 2 and Path(m.name).suffix.lower() in IMAGE_SUFFIXES:
-                fh = tar.extractfile(m)
-                if fh is not None:
-                    yield parts[-2], f"{source}:{m.name}", fh.read()
-
-
-def to_rgb(im):
-    """A PIL image as 8-bit RGB: grayscale, palette and CMYK converted; transparency laid over
-    white (what a viewer shows), not dropped to whatever colour the transparent pixels hold."""
-    from PIL import Image
-
-    if im.mode in ("RGBA", "LA", "PA") or (im.mode == "P" and "transparency" in im.info):
-        im = im.convert("RGBA")
-        white = Image.new("RGBA", im.size, (255, 255, 255, 255))
-        return Image.alpha_composite(white, im).convert("RGB")
-    return im if im.mode == "RGB" else im.convert("RGB")
-
-
-def resize_center(im, side: int):
-    """Shorter side to ``side`` (bilinear, antialiased), then the centre ``side`` x ``side``:
-    torchvision's Resize + CenterCrop. An image already that size is left as it is."""
-    from PIL import Image
-
-    w, h = im.size
-    if (w, h) == (side, side):
-        return im
-    scale = side / min(w, h)
-    nw, nh = max(side, round(w * scale)), max(side, round(h * scale))
-    im = im.resize((nw, nh), Image.BILINEAR)
-    left, top = (nw - side) // 2, (nh - side) // 2
-    return im.crop((left, top, left + side, top + side))
-
-
-@contextlib.contextmanager
-def _archive(source: Path):
-    """An open tarball; a file that is not one, is cut short or has bad gzip data (found while
-    reading it) becomes one ConfigError that names the fix."""
-    try:
-        with tarfile.open(source, "r:*") as tar:
-            yield tar
-    except (tarfile.TarError, EOFError, zlib.error, OSError) as e:
-        why = one_line(e, 100) or e.__class__.__name__
-        raise ConfigError(f"{source} is not a complete .tar.gz archive ({why}); download or copy it again, "
-                          f"or unpack it into {source.parent}/<split>/<class>/") from None
-
-
 def check_archive(source: Path) -> None:
     """Read a tarball to its end without decoding any image (a second or so for CIFAR-10): a
     truncated or foreign file raises ConfigError before any worker starts."""
@@ -278,7 +201,7 @@ def _decode_folder(source: Path, side: int) -> tuple[torch.Tensor, list[str], li
     images, names, bad = [], [], []
     t0 = last = time.monotonic()
     say(f"decoding {source} into the uint8 cache (once per data set and machine) ...")
-    for cls, name, raw in _members(source):
+    for cls, name, raw in members(source):
         if time.monotonic() - last >= PROGRESS_S:  # a line every few seconds: 25 s of silence looks like a hang
             last = time.monotonic()
             say(f"  decoded {len(images):,} images in {last - t0:.0f} s")
@@ -305,7 +228,7 @@ def _imagefolder_sources(cfg: Config) -> tuple[list[Path], str]:
     root = Path(cfg.data.dir)
     if not root.is_dir():
         raise ConfigError(f"data.dir={root} does not exist; create it or point data.dir at the data set")
-    sources = [_find_source(root, s) for s in ("train", "test")]
+    sources = [find_source(root, s) for s in ("train", "test")]
     stamp = "|".join(f"{s.resolve()}:{s.stat().st_mtime_ns}:{s.stat().st_size}" for s in sources)
     side = store_size(cfg.data.image_size or 32)
     return sources, "imagefolder-" + hashlib.sha1(stamp.encode()).hexdigest()[:16] + ("" if side == 32 else f"-{side}px")
@@ -325,13 +248,6 @@ def _imagefolder(cfg: Config) -> tuple[Split, Split]:
         return tuple(Split(x, torch.tensor([index[n] for n in names]), classes) for x, names, _ in decoded)
 
     return _cached(cfg, key, build)
-
-
-def check_same_classes(train: list[str], test: list[str], where: str) -> None:
-    if train != test:
-        only_train, only_test = sorted(set(train) - set(test)), sorted(set(test) - set(train))
-        diff = "; ".join(f"only in {s}: {', '.join(c[:3])}{' ...' if len(c) > 3 else ''}" for s, c in (("train", only_train), ("test", only_test)) if c)
-        raise ConfigError(f"train and test of {where} have different classes ({diff}); give both the same class folders")
 
 
 def median_short_side(root: Path, limit: int = 256) -> int | None:
@@ -388,6 +304,29 @@ def _resized(split: Split, side: int) -> Split:
     return Split(out, split.labels, split.classes)
 
 
+def _decode_shards(root: Path, side: int) -> tuple[Split, Split]:
+    """Both splits decoded at ``side`` x ``side`` (shorter side, centre crop): the in-memory path
+    of shards that fit."""
+    import torch
+    from PIL import Image
+
+    from trainer.shards import ShardSet, check
+
+    check(root)
+    out = []
+    for split in ("train", "test"):
+        ds = ShardSet(root, split)
+        say(f"decoding {len(ds):,} {split} images of {root} into the uint8 cache (once per data set and machine) ...")
+        images = torch.empty(len(ds), side, side, 3, dtype=torch.uint8)
+        labels = torch.empty(len(ds), dtype=torch.int64)
+        for i, (raw, label, _) in enumerate(ds):
+            with Image.open(io.BytesIO(raw)) as im:
+                images[i] = torch.frombuffer(bytearray(resize_center(to_rgb(im), side).tobytes()), dtype=torch.uint8).view(side, side, 3)
+            labels[i] = label
+        out.append(Split(images.permute(0, 3, 1, 2).contiguous(), labels, ds.classes))
+    return out[0], out[1]
+
+
 # --------------------------------------------------------------------------------------------
 # synthetic
 
@@ -421,7 +360,7 @@ def load(cfg: Config) -> tuple[Split, Split]:
     elif name == "shards":
         from trainer import shards
 
-        train, test = _cached(cfg, shards.cache_key(Path(cfg.data.dir), side), lambda: shards.decode_all(Path(cfg.data.dir), side))
+        train, test = _cached(cfg, shards.cache_key(Path(cfg.data.dir), side), lambda: _decode_shards(Path(cfg.data.dir), side))
     else:
         train, test = _imagefolder(cfg)
     train, test = _resized(train, side), _resized(test, side)

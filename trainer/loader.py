@@ -18,6 +18,7 @@ one on another number of GPUs, draws the same ones.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -152,12 +153,29 @@ def random_crop(x: torch.Tensor, shift: torch.Tensor, pad: int, reflect: bool = 
     return out if inside is None else out * inside
 
 
+SCALE = (0.08, 1.0)
+RATIO = (3 / 4, 4 / 3)
+
+
+def crop_boxes(u: torch.Tensor, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Random-resized-crop boxes [n, 4] (top, left, height, width) from uniforms ``u`` [n, >=4] and
+    the images' sizes: torchvision's area (8-100 %) and aspect ratio (3/4-4/3, log-uniform) without
+    its rejection loop (a box that overflows is clipped to the image), so a box depends on its four
+    numbers and the image alone."""
+    h, w = h.double(), w.double()
+    area = h * w * (SCALE[0] + (SCALE[1] - SCALE[0]) * u[:, 0].double())
+    ratio = torch.exp(math.log(RATIO[0]) + (math.log(RATIO[1]) - math.log(RATIO[0])) * u[:, 1].double())
+    cw = torch.sqrt(area * ratio).round().clamp(1, None).minimum(w)
+    ch = torch.sqrt(area / ratio).round().clamp(1, None).minimum(h)
+    top = ((h - ch) * u[:, 2].double()).floor()
+    left = ((w - cw) * u[:, 3].double()).floor()
+    return torch.stack([top, left, ch, cw], 1).long()
+
+
 def resized_crop(x: torch.Tensor, u: torch.Tensor, size: int, mirror: torch.Tensor | None = None) -> torch.Tensor:
     """Random-resized crops of the square uint8 images ``x`` [B,C,S,S] at ``size``: each image's box
-    from its uniforms ``u`` [B,4] (trainer/stream.py's crop_boxes, the streamed path's), resampled
+    from its uniforms ``u`` [B,4] (:func:`crop_boxes`, as the streamed path's), resampled
     bilinearly and mirrored by one affine grid for the whole batch. Float out, 0-255."""
-    from trainer.stream import crop_boxes
-
     b, s = x.shape[0], x.shape[-1]
     side = torch.full((b,), s, device=x.device)
     top, left, ch, cw = crop_boxes(u, side, side).to(torch.get_default_dtype()).unbind(1)
@@ -283,12 +301,8 @@ def first_batch(images: torch.Tensor, labels: torch.Tensor, b: int, augment: Aug
     return x, labels[:b].to(rt.device)
 
 
-def make_train_loader(cfg: Config, rt: Runtime, split, device_resident: bool, augment: Augment, gpu_decode: bool = False):
+def make_train_loader(cfg: Config, rt: Runtime, split: Split, device_resident: bool, augment: Augment):
     b = rt.per_rank_batch(cfg.train.batch_size)
-    from trainer.stream import Streamed, StreamLoader
-
-    if isinstance(split, Streamed):
-        return StreamLoader(cfg, rt, b, augment, gpu_decode)
     if device_resident:
         return DeviceLoader(split, rt, b, cfg.train.seed, augment)
     return HostLoader(split, rt, b, cfg.train.seed, cfg.data.num_workers, augment)

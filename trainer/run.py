@@ -148,7 +148,7 @@ def build(cfg: Config, rt: Runtime, started_at: float | None = None) -> Run:
     return Run(
         cfg=cfg, rt=rt, fast=fast, root=ckpt.root, state=state, train_split=train_split, test_split=test_split, data_plan=plan,
         model=model, net=net, optimizer=optimizer, schedule=schedule, lookahead=lookahead,
-        loader=make_train_loader(cfg, rt, train_split, fast.device_resident, augment, gpu_decode(cfg, rt)), augment=augment,
+        loader=make_loader(cfg, rt, train_split, fast, augment), augment=augment,
         steps_per_epoch=steps_per_epoch, total_steps=total, stop=StopFlag(rt), checkpointer=ckpt,
         metrics=RunLog(ckpt.root, rt, cfg.train.tensorboard, state.step if resumed_from else None), say=say,
         resumed_from=resumed_from, started_at=clock.started_at, compile_cache=cache, compile_key=cache_key, masters=masters,
@@ -176,6 +176,15 @@ def pick_checkpoint(ckpt: Checkpointer, rt: Runtime) -> Path | None:
             error = e
     agree(rt, error)
     return broadcast(rt, resumed_from)
+
+
+def make_loader(cfg: Config, rt: Runtime, split: Any, fast: Fast, augment: Augment):
+    """The streamed loader for a set left in its shards, else an in-memory one."""
+    from trainer.stream import Streamed, StreamLoader
+
+    if isinstance(split, Streamed):
+        return StreamLoader(cfg, rt, rt.per_rank_batch(cfg.train.batch_size), augment, gpu_decode(cfg, rt))
+    return make_train_loader(cfg, rt, split, fast.device_resident, augment)
 
 
 def gpu_decode(cfg: Config, rt: Runtime) -> bool:

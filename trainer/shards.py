@@ -28,13 +28,9 @@ import warnings
 from collections.abc import Iterator
 from multiprocessing import get_context
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from trainer.config import ConfigError
 from trainer.contract import one_line, say
-
-if TYPE_CHECKING:
-    from trainer.data import Split
 
 KIND = "wids-shard-index-v1"
 MAX_COUNT = 10_000
@@ -46,7 +42,7 @@ def _prepare(item: tuple[int, str, str, bytes, int]) -> tuple[int, str, bytes | 
     """(index, class, JPEG bytes or None when the image does not decode, its shorter side)."""
     from PIL import Image
 
-    from trainer.data import to_rgb
+    from trainer.folders import to_rgb
 
     i, cls, name, raw, max_side = item
     try:
@@ -71,19 +67,19 @@ def write(source_root: Path, out: Path, max_side: int = 512, workers: int | None
     shards in ``out``; returns each split's index. Images are read in the folder's sorted order."""
     import webdataset as wds
 
-    from trainer.data import _find_source, _members, check_same_classes
+    from trainer.folders import check_same_classes, find_source, members
 
     if not source_root.is_dir():
         raise ConfigError(f"{source_root} does not exist; point it at a folder of train/ and test/ class folders (or their .tar.gz)")
     out.mkdir(parents=True, exist_ok=True)
     indexes, workers = {}, workers or max(1, min(16, os.cpu_count() or 1))
     for split in ("train", "test"):
-        source = _find_source(source_root, split)
+        source = find_source(source_root, split)
         t0, last, sides, bad, classes, labels = time.monotonic(), time.monotonic(), [], [], [], {}
         for old in out.glob(f"{split}-*.tar"):
             old.unlink()
         pattern = str(out / f"{split}-%06d.tar")
-        items = ((i, cls, name, raw, max_side) for i, (cls, name, raw) in enumerate(_members(source)))
+        items = ((i, cls, name, raw, max_side) for i, (cls, name, raw) in enumerate(members(source)))
         kept = 0
         with get_context("fork").Pool(workers) as pool, wds.ShardWriter(pattern, maxcount=MAX_COUNT, maxsize=MAX_BYTES, verbose=0) as sink:
             for _, cls, jpeg, side in pool.imap(_prepare, items, chunksize=64):
@@ -143,7 +139,7 @@ def read_index(root: Path, split: str) -> dict:
 
 def check(root: Path) -> tuple[dict, dict]:
     """Both splits' indexes, every shard present at its recorded size, the same classes."""
-    from trainer.data import check_same_classes
+    from trainer.folders import check_same_classes
 
     indexes = read_index(root, "train"), read_index(root, "test")
     for index in indexes:
@@ -210,24 +206,4 @@ class ShardSet:
         return (self[i] for i in range(len(self)))
 
 
-def decode_all(root: Path, side: int) -> tuple[Split, Split]:
-    """Both splits decoded at ``side`` x ``side`` (shorter side, centre crop): the in-memory path
-    of shards that fit."""
-    import torch
-    from PIL import Image
-
-    from trainer.data import Split, resize_center, to_rgb
-
-    check(root)
-    out = []
-    for split in ("train", "test"):
-        ds = ShardSet(root, split)
-        say(f"decoding {len(ds):,} {split} images of {root} into the uint8 cache (once per data set and machine) ...")
-        images = torch.empty(len(ds), side, side, 3, dtype=torch.uint8)
-        labels = torch.empty(len(ds), dtype=torch.int64)
-        for i, (raw, label, _) in enumerate(ds):
-            with Image.open(io.BytesIO(raw)) as im:
-                images[i] = torch.frombuffer(bytearray(resize_center(to_rgb(im), side).tobytes()), dtype=torch.uint8).view(side, side, 3)
-            labels[i] = label
-        out.append(Split(images.permute(0, 3, 1, 2).contiguous(), labels, ds.classes))
-    return out[0], out[1]
+#END

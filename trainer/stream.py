@@ -29,27 +29,9 @@ from torch.utils.data import DataLoader, Dataset
 
 from trainer.config import Config, ConfigError
 from trainer.contract import say
-from trainer.loader import epoch_order
+from trainer.loader import crop_boxes, epoch_order
 from trainer.runtime import Runtime
 from trainer.shards import ShardSet
-
-SCALE = (0.08, 1.0)
-RATIO = (3 / 4, 4 / 3)
-
-
-def crop_boxes(u: torch.Tensor, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Random-resized-crop boxes [n, 4] (top, left, height, width) from uniforms ``u`` [n, >=4] and
-    the images' sizes: torchvision's area (8-100 %) and aspect ratio (3/4-4/3, log-uniform) without
-    its rejection loop (a box that overflows is clipped to the image), so a box depends on its four
-    numbers and the image alone."""
-    h, w = h.double(), w.double()
-    area = h * w * (SCALE[0] + (SCALE[1] - SCALE[0]) * u[:, 0].double())
-    ratio = torch.exp(math.log(RATIO[0]) + (math.log(RATIO[1]) - math.log(RATIO[0])) * u[:, 1].double())
-    cw = torch.sqrt(area * ratio).round().clamp(1, None).minimum(w)
-    ch = torch.sqrt(area / ratio).round().clamp(1, None).minimum(h)
-    top = ((h - ch) * u[:, 2].double()).floor()
-    left = ((w - cw) * u[:, 3].double()).floor()
-    return torch.stack([top, left, ch, cw], 1).long()
 
 
 def center_box(h: int, w: int, size: int) -> tuple[int, int, int, int]:
