@@ -560,6 +560,8 @@ def explain() -> str:
             doc = docs.get((type(section).__name__, name), "")
             shown = "auto" if default is None else default
             lines.append(f"{section_name}.{name} = {shown!r}  ({_describe(f.type)})\n    {doc}")
+            if (section_name, name) == ("model", "name"):
+                lines.append(f"    models: {', '.join(CIFAR_MODELS)}; torchvision's: {', '.join(torchvision_names())}")
     return "\n".join(lines)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +124,8 @@ def build(cfg: Config, rt: Runtime, started_at: float | None = None) -> Run:
     resumed_from = pick_checkpoint(ckpt, rt)
     clock.mark("checkpoint_pick")
     train_split, test_split, steps_per_epoch, plan = load_data(cfg, rt, fast)
+    if plan.stream:  # nothing of the set is resident: the start line's fast path says so
+        fast = replace(fast, device_resident=False)
     ckpt.classes = train_split.classes
     clock.mark("data")
     augment = Augment(cfg, rt, fast.channels_last, rt.per_rank_batch(cfg.train.batch_size), steps_per_epoch)

@@ -124,13 +124,9 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def run(out: Path, cifar: Path, images: int = 25600, steps_n: int = 120) -> list[dict]:
+def run(out: Path, cifar: Path, images: int = 25600, steps: int = 120) -> list[dict]:
     """Every case of the suite; the rows, also written to OUT/data-bench.json."""
-    class A:
-        pass
-
-    a = A()
-    a.out, a.cifar, a.images, a.steps = out, cifar, images, steps_n
+    a = argparse.Namespace(out=out, cifar=cifar, images=images, steps=steps)
     a.out.mkdir(parents=True, exist_ok=True)
     root, shards = a.out / "jpeg256", a.out / "shards"
     t0 = time.time()
