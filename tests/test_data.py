@@ -149,3 +149,83 @@ def test_a_folder_of_only_unreadable_images_says_so(tmp_path):
         f.write_bytes(b"not an image")
     with pytest.raises(ConfigError, match=r"train: none of its 12 image files could be decoded \(first: .*\); replace them"), pytest.warns(UserWarning):
         data.load(cfg_for(root, tmp_path))
+
+
+def test_image_size_auto_is_the_median_shorter_side_at_most_224_and_set_wins(tmp_path):
+    root = make_folder(tmp_path / "d", size=48)
+    cfg = cfg_for(root, tmp_path)
+    assert data.resolve_image_size(cfg) == (48, "auto: the images' median shorter side 48 px")
+    big = make_folder(tmp_path / "big", per_class=2, size=300)
+    assert data.resolve_image_size(cfg_for(big, tmp_path))[0] == 224
+    assert data.resolve_image_size(cfg_for(big, tmp_path, "data.image_size=160")) == (160, "data.image_size")
+    assert data.resolve_image_size(load_config(None, []))[0] == 32  # CIFAR-10 keeps its own
+
+
+def test_large_images_are_stored_at_8_7_of_the_size_resized_and_centre_cropped(tmp_path):
+    root = tmp_path / "d"
+    for split in ("train", "test"):
+        for name, rgb in COLOURS.items():
+            (root / split / name).mkdir(parents=True)
+            im = Image.new("RGB", (200, 100), rgb)  # wide: its centre is kept, the sides cut
+            im.paste((255, 255, 255), (0, 0, 50, 100))
+            im.save(root / split / name / "0.png")
+    plan = data.plan(cfg := cfg_for(root, tmp_path, "data.image_size=84"), None, 1)
+    train, _ = data.load(cfg)
+    assert data.store_size(84) == 96 and train.images.shape == (3, 3, 96, 96)
+    assert train.images[:, :, :, :4].float().mean() < 250  # the white left quarter was cut away
+    assert "84 px (data.image_size)" in plan.describe(3, 3, 3) and "in memory, in host memory" in plan.path_why
+
+
+def test_grayscale_cmyk_and_transparent_images_load_as_rgb(tmp_path):
+    from test_shards import odd_images
+
+    root = odd_images(tmp_path / "d")
+    with pytest.warns(UserWarning, match="skipped 1 unreadable"):
+        train, test = data.load(cfg_for(root, tmp_path, "data.image_size=32"))
+    assert train.images.shape == (36, 3, 32, 32) and train.classes == ["alpha", "cmyk", "gray"]
+    alpha = train.images[train.labels == 0][:3]  # the PNGs: their clear left half is white, not black
+    assert alpha[:, :, :, :12].float().mean() > 240
+
+
+def test_classes_that_differ_or_an_empty_class_folder_are_one_line(tmp_path):
+    root = make_folder(tmp_path / "d")
+    (root / "test" / "red").rename(root / "test" / "rouge")
+    with pytest.raises(ConfigError, match=r"different classes \(only in train: red; only in test: rouge\); give both the same class folders"):
+        data.load(cfg_for(root, tmp_path))
+    root = make_folder(tmp_path / "e")
+    (root / "train" / "purple").mkdir()
+    with pytest.raises(ConfigError, match=r"class folder .*train/purple holds no images .*; add images or remove the folder"):
+        data.load(cfg_for(root, tmp_path))
+
+
+def test_the_path_is_decided_by_the_decoded_size_against_the_memory(tmp_path, monkeypatch):
+    from trainer import shards
+
+    root = make_folder(tmp_path / "d", per_class=10, size=40)
+    shards.write(root, tmp_path / "sh")
+    cfg = cfg_for(tmp_path / "sh", tmp_path, "data.name=shards")
+    need = 60 * 3 * 40 * 40
+    assert not data.plan(cfg, need * 10 * 3, 1).stream  # 40 % of it is room enough
+    small = data.plan(cfg_for(tmp_path / "sh", tmp_path, "data.name=shards"), need * 2, 1)
+    assert small.stream and "streamed from shards, JPEGs decoded by the GPU" in small.path_why and "GiB decoded > 40% of the GPU's" in small.path_why
+    monkeypatch.setattr(data, "DATA_MEMORY_SHARE", 1e-9)  # a folder too large for memory: shard it first
+    with pytest.raises(ConfigError, match=r"needs .* GiB decoded, more than .*; shard it once with `trainer data --shards OUT"):
+        data.plan(cfg_for(root, tmp_path), None, 1)
+    with pytest.raises(ConfigError, match="data.loader=stream reads shards"):
+        data.plan(cfg_for(root, tmp_path, "data.loader=stream"), None, 1)
+
+
+def test_a_checkpoint_of_other_classes_is_refused_by_resume_and_eval_in_one_line(tmp_path):
+    a = make_folder(tmp_path / "a", per_class=12)
+    b = make_folder(tmp_path / "b", per_class=12)
+    for split in ("train", "test"):
+        (b / split / "red").rename(b / split / "yellow")
+    job = ["--config", "configs/smoke.yaml", "data.name=imagefolder", "train.epochs=1", "train.batch_size=12", f"checkpoint.dir={tmp_path / 'ck'}"]
+    run(trainer_cmd("train", *job, f"data.dir={a}"))
+    for cmd in (trainer_cmd("train", *job, f"data.dir={b}"), trainer_cmd("eval", str(tmp_path / "ck"), f"data.dir={b}")):
+        p = run(cmd, check=False)
+        errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+        assert p.returncode == 2 and len(errors) == 1, (cmd, p.stderr)
+        assert "was trained on other classes ('red' is 'yellow' here); point data.dir at the data it was trained on" in errors[0]
+    p = run(trainer_cmd("eval", str(tmp_path / "ck"), f"data.dir={a}"))
+    assert "test accuracy" in p.stdout

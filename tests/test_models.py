@@ -79,3 +79,18 @@ def test_unwrap_removes_dataparallel_and_compile_wrappers():
     assert unwrap(wrapped) is net
     keys = unwrap(wrapped).state_dict().keys()
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in keys)
+
+
+def test_torchvision_models_by_name_with_the_datas_classes():
+    from trainer.models import input_problem
+
+    net = build("resnet50", num_classes=12, image_size=64)
+    assert net.fc.out_features == 12 and type(net).__module__.startswith("torchvision")
+    assert build("torchvision.resnet18", 5).conv1.stride == (2, 2)  # torchvision's stem, beside the CIFAR resnet18
+    assert build("resnet18", 5).conv1.stride == (1, 1)
+    vit = build("vit_b_16", num_classes=3, image_size=96)  # a ViT sized for the data's images
+    assert vit.image_size == 96 and vit(torch.randn(1, 3, 96, 96)).shape == (1, 3)
+    assert input_problem("resnet50", 64) is None and input_problem("vit_b_16", 96) is None
+    problem = input_problem("seednet", 64)
+    assert problem.startswith("model.name=seednet cannot take data.image_size=64 images (") and "use data.image_size=32" in problem
+    assert "\n" not in input_problem("vit_b_16", 100)  # 16 px patches do not tile 100 px
