@@ -221,3 +221,17 @@ def test_a_step_with_fewer_cpus_than_the_job_asked_says_how_to_fix_it(confined):
                "--cpus-per-task on since Slurm 22.05): export SRUN_CPUS_PER_TASK=2 before sbatch or torchx run, or srun -c 2")
     assert lines[:-1] == ([warning] if confined else []), p.stderr
     assert lines[-1].startswith("error: TRAINER_SLURM_MARGIN_S='soon' is not a number of seconds"), p.stderr
+
+
+def test_your_images_from_a_folder_to_a_model_on_slurm(tmp_path):
+    """The README's two commands ("Your own images"): shards written once, then the batch script
+    trains from them on its data volume (DATA_DIR), streamed, with the data's classes."""
+    from conftest import make_jpegs, run, trainer_cmd
+
+    make_jpegs(tmp_path / "myset", train=24, test=6, size=40)
+    run(trainer_cmd("data", "--shards", str(tmp_path / "myset-shards"), "data.name=imagefolder", f"data.dir={tmp_path / 'myset'}"), cwd=ROOT)
+    job = sbatch("slurm/ddp.sh", tmp_path, "data.name=shards", "data.loader=stream", "data.image_size=32", "train.epochs=1",
+                 "train.batch_size=24", extra_env={"DATA_DIR": str(tmp_path / "myset-shards")})
+    out = log(tmp_path, job)
+    assert job_field(job, "ExitCode") == "0:0" and "done: step 10" in out, out
+    assert f"shards {tmp_path / 'myset-shards'}: 240 train / 60 test images, 10 classes, 32 px" in out and "streamed from shards" in out

@@ -193,7 +193,10 @@ def data(shards_out, max_side, config_file, overrides):
         click.echo(f"{index['train']['images']} train and {index['test']['images']} test images, {len(index['train']['classes'])} classes "
                    f"in {shards_out}; train with: data.name=shards data.dir={shards_out}")
         return
-    datasets.plan(cfg, None, 1)  # data.image_size resolved: the cache holds the size that training reads
+    plan = datasets.plan(cfg, None, 1)  # data.image_size resolved: the cache holds the size that training reads
+    if cfg.data.name == "shards":  # checked; the workers decode a set that fits, or stream it
+        click.echo(f"{plan.source}: shards complete; {plan.path_why} (on this node)")
+        return
     train_split, test_split = datasets.load(cfg)
     click.echo(f"{len(train_split)} train and {len(test_split)} test images, classes: {', '.join(train_split.classes)}")
 
