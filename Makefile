@@ -1,5 +1,5 @@
 # Thin aliases around the one entry point (`python -m trainer`). Variables:
-#   CONFIG=configs/default.yaml  DATA=<folder of train/ test/ or their .tar.gz>  ARGS="key=value ..."
+#   CONFIG=configs/default.yaml  DATA=<folder of train/ test/ or their .tar.gz, or shards>  ARGS="key=value ..."
 #   NPROC=auto (one per GPU, else 2)  IMAGE=cluster-trainer:0.1.0  REGISTRY (push)  GPUS=8  NODES=2
 #   K8S=multi-node (a job folder of k8s/: trainjob, trainjob-single, multi-node, single-gpu, elastic)  TORCHX_FLAGS (e.g. --dryrun)
 #   TEST_WORKERS=2 SLOW_WORKERS=3 (pytest processes of make test, make test-slow)
@@ -26,7 +26,7 @@ CHECKPOINTS ?= checkpoints
 TEST_WORKERS ?= 2
 SLOW_WORKERS ?= 3
 BUILD ?= --build
-DATA_ARGS := $(if $(DATA),data.name=imagefolder data.dir=$(DATA))
+DATA_ARGS := $(if $(DATA),data.name=$(if $(wildcard $(DATA)/train.json),shards,imagefolder) data.dir=$(DATA))
 
 .PHONY: venv tools run-local test test-slow test-all test-gpu container-test lint bench image push compose-up k8s-storage k8s-apply k8s-checkov slurm-submit torchx-k8s slurm-up scorecard clean
 

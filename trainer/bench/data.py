@@ -8,6 +8,7 @@ There is no large image set offline: the set is CIFAR-10's JPEGs upscaled to 256
 an index that lists every shard 16 times (16x the images, the same files), peak RSS of each.
 
     python -m trainer.bench.data OUT --cifar DIR [--images 25600] [--steps 120]
+    python -m trainer.bench.data --readers SHARDS     # the two readers on the CPU
 """
 
 from __future__ import annotations
@@ -113,6 +114,10 @@ def reference(root: Path, steps: int) -> dict:
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--readers"]:
+        for r in readers(Path(argv[1])):
+            print(json.dumps(r))
+        return 0
     p = argparse.ArgumentParser()
     p.add_argument("out", type=Path)
     p.add_argument("--cifar", type=Path, required=True)
@@ -150,6 +155,37 @@ def run(out: Path, cifar: Path, images: int = 25600, steps: int = 120) -> list[d
     rows.append(trainer_run("ours-shards-x16", ["data.name=shards", f"data.dir={a.out / 'x16'}", "data.loader=stream", *steps], a.out))
     rows.append(reference(root, a.steps))
     (a.out / "data-bench.json").write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+def readers(shards: Path, images: int = 20000) -> list[dict]:
+    """The two readers of the same shards on the CPU, one process, JPEG decode included: webdataset's
+    sequential pipeline (its shard order, a 1,000-image shuffle buffer) and this trainer's indexed
+    reads in a whole-set permutation (wids' IndexedTarSamples). Images per second."""
+    import webdataset as wds
+
+    from trainer.loader import epoch_order
+    from trainer.shards import ShardSet
+    from trainer.stream import decode_cpu, read
+
+    urls = [str(shards / s["url"]) for s in json.loads((shards / "train.json").read_text())["shardlist"]]
+    t0, n = time.perf_counter(), 0
+    for sample in wds.WebDataset(urls, shardshuffle=False, empty_check=False).shuffle(1000):
+        import torch
+
+        decode_cpu(torch.frombuffer(bytearray(sample["jpg"]), dtype=torch.uint8))
+        n += 1
+        if n == images:
+            break
+    rows = [{"case": "webdataset-sequential", "images_per_s": round(n / (time.perf_counter() - t0))}]
+    ds = ShardSet(shards, "train")
+    order = epoch_order(len(ds), 0, 0)[:images].tolist()
+    t0 = time.perf_counter()
+    for k in range(0, images, 256):
+        raws, _, _ = read(ds, order[k : k + 256])
+        for raw in raws:
+            decode_cpu(raw)
+    rows.append({"case": "indexed-permutation", "images_per_s": round(images / (time.perf_counter() - t0))})
     return rows
 
 
