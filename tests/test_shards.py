@@ -94,3 +94,12 @@ def test_shards_that_fit_train_in_memory_and_the_start_line_names_the_data(tmp_p
     assert "| in memory, in host memory:" in start
     state = torch.load(tmp_path / "ck" / "step-3" / "state.pt", weights_only=True)
     assert state["classes"] == [f"class{c}" for c in range(10)] and state["config"]["data"]["image_size"] == 48
+
+
+def test_check_refuses_a_model_that_cannot_take_the_images_before_any_worker_starts(tmp_path):
+    root = make_jpegs(tmp_path / "img", train=2, test=1, size=48)
+    shards.write(root, tmp_path / "sh")
+    args = ["data.name=shards", f"data.dir={tmp_path / 'sh'}", f"checkpoint.dir={tmp_path / 'ck'}"]
+    p = run(trainer_cmd("check", *args, "model.name=seednet"), check=False)
+    assert p.returncode == 2 and "model.name=seednet cannot take data.image_size=48 images" in p.stderr
+    assert run(trainer_cmd("check", *args, "model.name=airnet")).stdout.strip() == "ok"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from trainer import checkpoint, data
+from trainer import checkpoint, data, models
 from trainer.config import Config, ConfigError, check_devices
 
 
@@ -31,6 +31,14 @@ def preflight(cfg: Config) -> None:
                 checkpoint.check_model(meta["model"], cfg.model.name, folder)
             checkpoint.check_global_batch(meta.get("batch_size"), cfg.train.batch_size, folder)
     d = cfg.data
+    if d.name == "shards":
+        from trainer import shards
+
+        shards.check(Path(d.dir))
+    if d.name != "imagefolder" or Path(d.dir).is_dir():  # the size the model gets (a missing folder is said below)
+        size = data.resolve_image_size(cfg)[0]
+        if problem := models.input_problem(cfg.model.name, size):
+            raise ConfigError(problem)
     if d.name == "imagefolder":
         if not Path(d.dir).is_dir():
             raise ConfigError(f"data.dir={d.dir} does not exist; create it or point data.dir at the data set")

@@ -12,6 +12,10 @@ image is cropped and resized there; with ``decode=cpu`` the workers decode (libj
 torchvision.io), crop and resize, and the step receives uint8 images. Host memory is bounded by
 the workers' prefetched batches (2 per worker), whatever the set's size.
 
+torchvision 0.29 marks its image decoders deprecated in favour of TorchCodec's; they still work
+(and the GPU hosts' torchvision 0.26 has no such note). Moving to TorchCodec is a change of this
+module alone.
+
 A JPEG that does not decode (a damaged shard) is skipped: a copy of the batch's first good image
 takes its place (the batch keeps its shape; compiled steps and CUDA graphs need it), a line names
 the shard and key, and past ``data.max_bad_images`` on one rank the run stops with exit 2.
