@@ -232,9 +232,8 @@ def build_model(cfg: Config, rt: Runtime, fast: Fast, augment: Augment, train_sp
     # laptop's CPU) only for a fresh run: a resumed one's checkpoint overwrites them. It draws no
     # random numbers, so skipping it moves nothing else.
     if hasattr(model, "init_from_data") and fresh:
-        if train_split.images is None:
-            raise ConfigError(f"model.name={cfg.model.name} initialises from the data in memory and this set is streamed; use another model.name")
-        model.init_from_data(augment.eval(train_split.images[:5000].to(rt.device)).cpu())
+        images = train_split.images[:5000] if train_split.images is not None else train_split.sample(1024, cfg.data.image_size)
+        model.init_from_data(augment.eval(images.to(rt.device)).cpu())
     model.to(rt.device)
     if fast.channels_last and rt.strategy != "fsdp":
         model.to(memory_format=torch.channels_last)

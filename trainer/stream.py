@@ -203,6 +203,12 @@ class Streamed:
     def __len__(self) -> int:
         return len(self.shards)
 
+    def sample(self, n: int, size: int) -> torch.Tensor:
+        """uint8 [n, 3, size, size]: centre crops of n images spread over the set (airnet's
+        whitening is computed from them, as from the first 5,000 of a set in memory)."""
+        ids = range(0, len(self.shards), max(1, len(self.shards) // n))[:n]
+        return decode_crop_cpu(*read(self.shards, ids), size, None, False)[0]
+
 
 class _Steps:
     """The sampler of (epoch, step) items: set before each epoch; persistent workers keep reading."""
