@@ -5,12 +5,15 @@ webdataset's ShardWriter (each sample ``KEY.jpg`` and ``KEY.cls``), and ``OUT/tr
 ``OUT/test.json`` in wids' shard-index format (each shard's file, samples and bytes) with the class
 names and the images' median shorter side beside it. Any WebDataset or wids tool reads them.
 
-Reading is by sample index through wids' IndexedTarSamples (a memory-mapped tar with an index of
-its members): the trainer's order (a permutation of the whole set per epoch, every rank its share
-of each global batch; trainer/stream.py) needs any sample at any time. webdataset's own reader
-streams each shard from its start, so its order depends on how shards are split over ranks and
-workers (README: "Data at any size" compares them). wids' ShardListDataset is not used: it writes
-a lock file beside each shard (a read-only data volume refuses it) and prints a line per open.
+Reading is by sample index: the trainer's order (a permutation of the whole set per epoch, every
+rank its share of each global batch; trainer/stream.py) needs any sample at any time.
+webdataset's own reader streams each shard from its start, so its order depends on how shards
+are split over ranks and workers. wids reads by index, but its IndexedTarSamples keeps Python
+objects for every member of every shard it opens: 77 MB per 10,000-image shard in each process
+(measured on CIFAR-10's shards), so host memory grows with the set. Hence ``OUT/SPLIT.offsets.npy``,
+written beside the tars: where each image's bytes start in which shard, their length and its
+label, 20 bytes per image, memory-mapped (the page cache shares it between processes), and a read
+is one ``os.pread``. Open shard files are kept in a small LRU (a set of many shards, few descriptors).
 
 Every image is decoded once here, while the shards are written: one that does not decode is
 skipped and counted, PNG, grayscale, CMYK and transparent images become RGB JPEGs (what the GPU's
@@ -25,6 +28,7 @@ import json
 import os
 import time
 import warnings
+from collections import OrderedDict
 from collections.abc import Iterator
 from multiprocessing import get_context
 from pathlib import Path
@@ -36,6 +40,10 @@ KIND = "wids-shard-index-v1"
 MAX_COUNT = 10_000
 """Images per shard at most (and MAX_BYTES): a few hundred shards for ImageNet, few open files."""
 MAX_BYTES = 512 << 20
+OPEN_FILES = 64
+"""Shard files a process keeps open (least recently used closed first)."""
+ROW = [("shard", "<i4"), ("offset", "<i8"), ("size", "<i4"), ("label", "<i4")]
+"""One image in SPLIT.offsets.npy."""
 
 
 def _prepare(item: tuple[int, str, str, bytes, int]) -> tuple[int, str, bytes | None, int]:
@@ -103,7 +111,7 @@ def write(source_root: Path, out: Path, max_side: int = 512, workers: int | None
         indexes[split] = {"__kind__": KIND, "wids_version": 1, "name": split, "classes": classes, "images": kept, "skipped": len(bad),
                           "median_short_side": sorted(sides)[len(sides) // 2],
                           "shardlist": [{"url": p.name, "nsamples": 0, "filesize": p.stat().st_size} for p in sorted(out.glob(f"{split}-*.tar"))]}
-        _count(out, indexes[split])
+        _offsets(out, split, indexes[split])
         say(f"  {split}: {kept:,} images, {len(classes)} classes in {len(indexes[split]['shardlist'])} shard(s), {time.monotonic() - t0:.1f} s")
     check_same_classes(indexes["train"]["classes"], indexes["test"]["classes"], str(source_root))
     for split, index in indexes.items():
@@ -111,15 +119,25 @@ def write(source_root: Path, out: Path, max_side: int = 512, workers: int | None
     return indexes
 
 
-def _count(out: Path, index: dict) -> None:
-    """Each shard's samples, read back from the tar just written (wids' own index of it)."""
-    from wids.wids import IndexedTarSamples
+def _offsets(out: Path, split: str, index: dict) -> None:
+    """SPLIT.offsets.npy from the tars just written (their members' data offsets), and each
+    shard's sample count into ``index``."""
+    import tarfile
 
-    for shard in index["shardlist"]:
-        with open(out / shard["url"], "rb") as fh:
-            samples = IndexedTarSamples(path=str(out / shard["url"]), stream=fh)
-            shard["nsamples"] = len(samples)
-            samples.close()
+    import numpy as np
+
+    label = {c: i for i, c in enumerate(index["classes"])}
+    rows = []
+    for k, shard in enumerate(index["shardlist"]):
+        with tarfile.open(out / shard["url"]) as tar:
+            members = list(tar)
+        jpgs = {m.name.rsplit(".", 1)[0]: m for m in members if m.name.endswith(".jpg")}
+        with tarfile.open(out / shard["url"]) as tar:
+            classes = {m.name.rsplit(".", 1)[0]: tar.extractfile(m).read().decode() for m in members if m.name.endswith(".cls")}
+        for key in sorted(jpgs):
+            rows.append((k, jpgs[key].offset_data, jpgs[key].size, label[classes[key]]))
+        shard["nsamples"] = len(jpgs)
+    np.save(out / f"{split}.offsets.npy", np.array(rows, dtype=ROW))
 
 
 def read_index(root: Path, split: str) -> dict:
@@ -153,6 +171,9 @@ def check(root: Path) -> tuple[dict, dict]:
                 raise ConfigError(f"shard {path} has {size} bytes, its index says {shard['filesize']}: it is cut short or replaced; "
                                   f"copy it again or write the shards again")
     check_same_classes(indexes[0]["classes"], indexes[1]["classes"], str(root))
+    for split, index in zip(("train", "test"), indexes, strict=True):
+        if len(ShardSet(root, split)) != index["images"]:
+            raise ConfigError(f"{root / (split + '.offsets.npy')} does not match {split}.json; write the shards again with trainer data --shards")
     return indexes
 
 
@@ -165,45 +186,45 @@ def cache_key(root: Path, side: int) -> str:
 
 
 class ShardSet:
-    """One split's samples by index: (JPEG bytes, label, 'shard:key'). Shards open on first use,
-    in the process that reads them (each DataLoader worker its own memory maps)."""
+    """One split's samples by index: (JPEG bytes, label, 'shard:key'). The offset table is mapped
+    from disk; shard files open on first use, in the process that reads them (each DataLoader
+    worker its own descriptors)."""
 
     def __init__(self, root: Path, split: str):
         import numpy as np
 
         self.root, self.index = root, read_index(root, split)
         self.classes: list[str] = self.index["classes"]
-        self.label = {c: i for i, c in enumerate(self.classes)}
-        self.ends = np.cumsum([s["nsamples"] for s in self.index["shardlist"]])
-        self.open: dict[int, object] = {}
+        self.urls = [s["url"] for s in self.index["shardlist"]]
+        try:
+            self.rows = np.load(root / f"{split}.offsets.npy", mmap_mode="r")
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{root / (split + '.offsets.npy')} is missing or damaged ({one_line(e, 60)}); write the shards again "
+                              f"with trainer data --shards") from None
+        self.open: OrderedDict[int, int] = OrderedDict()
 
     def __len__(self) -> int:
-        return int(self.ends[-1])
+        return len(self.rows)
 
-    def __getstate__(self) -> dict:  # a worker opens its own maps
-        return {**self.__dict__, "open": {}}
+    def __getstate__(self) -> dict:  # a worker opens its own files
+        return {**self.__dict__, "open": OrderedDict()}
 
-    def _shard(self, k: int):
-        if k not in self.open:
-            from wids.wids import IndexedTarSamples
-
-            path = self.root / self.index["shardlist"][k]["url"]
-            try:
-                self.open[k] = IndexedTarSamples(path=str(path))
-            except (OSError, ValueError, AssertionError) as e:
-                raise ConfigError(f"shard {path} cannot be read ({one_line(e, 80)}); copy it again or write the shards again") from None
+    def _fd(self, k: int) -> int:
+        if k in self.open:
+            self.open.move_to_end(k)
+            return self.open[k]
+        path = self.root / self.urls[k]
+        try:
+            self.open[k] = os.open(path, os.O_RDONLY)
+        except OSError as e:
+            raise ConfigError(f"shard {path} cannot be read ({e.strerror}); copy it again or write the shards again") from None
+        if len(self.open) > OPEN_FILES:
+            os.close(self.open.popitem(last=False)[1])
         return self.open[k]
 
     def __getitem__(self, i: int) -> tuple[bytes, int, str]:
-        import numpy as np
-
-        k = int(np.searchsorted(self.ends, i, side="right"))
-        inner = i - (int(self.ends[k - 1]) if k else 0)
-        sample = self._shard(k)[inner]
-        return sample[".jpg"].getvalue(), self.label[sample[".cls"].getvalue().decode()], f"{self.index['shardlist'][k]['url']}:{sample['__key__']}"
+        shard, offset, size, label = self.rows[i].tolist()
+        return os.pread(self._fd(shard), size, offset), label, f"{self.urls[shard]}:{i:09d}"
 
     def __iter__(self) -> Iterator[tuple[bytes, int, str]]:
         return (self[i] for i in range(len(self)))
-
-
-#END

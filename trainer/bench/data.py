@@ -9,6 +9,7 @@ an index that lists every shard 16 times (16x the images, the same files), peak 
 
     python -m trainer.bench.data OUT --cifar DIR [--images 25600] [--steps 120]
     python -m trainer.bench.data --readers SHARDS     # the two readers on the CPU
+    python -m trainer.bench.data --memory SHARDS      # host memory of a streamed CPU run, the set x1 and x16
 """
 
 from __future__ import annotations
@@ -53,6 +54,66 @@ def make_set(cifar: Path, root: Path, images: int, test: int = 1024) -> None:
                 jobs.append((m.name, tar.extractfile(m).read(), str(out)))
     with Pool(os.cpu_count()) as pool:
         pool.map(_upscale, jobs, chunksize=256)
+
+
+def times16(shards: Path, out: Path) -> None:
+    """A shard folder with 16x the training images of ``shards``: its index lists every shard 16
+    times (links to the same files), so the set grows without the disk."""
+    import numpy as np
+
+    out.mkdir(parents=True, exist_ok=True)
+    index = json.loads((shards / "train.json").read_text())
+    rows, n = np.load(shards / "train.offsets.npy"), len(index["shardlist"])
+    copies = []
+    for k in range(16):
+        r = rows.copy()
+        r["shard"] += k * n
+        copies.append(r)
+    np.save(out / "train.offsets.npy", np.concatenate(copies))
+    (out / "train.json").write_text(json.dumps(dict(index, images=index["images"] * 16, shardlist=index["shardlist"] * 16)))
+    for f in shards.iterdir():
+        if f.suffix == ".tar" and not (out / f.name).exists():
+            (out / f.name).symlink_to(f.resolve())
+        elif f.name.startswith("test."):
+            (out / f.name).write_bytes(f.read_bytes())
+
+
+def peak_memory(cmd: list[str]) -> dict:
+    """Run ``cmd``; the peaks of its process tree's anonymous and file-backed resident memory
+    (RssAnon and RssFile of /proc/PID/status, summed over the tree, sampled every 0.2 s), in MB."""
+    import psutil
+
+    def field(pid: int, name: str) -> float:
+        try:
+            with open(f"/proc/{pid}/status") as fh:
+                return next((int(line.split()[1]) / 1024 for line in fh if line.startswith(name + ":")), 0.0)
+        except OSError:
+            return 0.0
+
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    root, anon, file = psutil.Process(p.pid), 0.0, 0.0
+    while p.poll() is None:
+        try:
+            tree = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            break
+        anon = max(anon, sum(field(q.pid, "RssAnon") for q in tree))
+        file = max(file, sum(field(q.pid, "RssFile") for q in tree))
+        time.sleep(0.2)
+    return {"rc": p.returncode, "peak_anonymous_MB": round(anon), "peak_file_backed_MB": round(file)}
+
+
+def memory(shards: Path, tmp: Path) -> list[dict]:
+    """Host memory of a streamed CPU run (tinynet, 60 steps of 256, two workers) over ``shards`` and
+    over 16x its images: flat when the streamed path's memory does not grow with the set."""
+    times16(shards, tmp / "x16")
+    rows = []
+    for name, folder in (("x1", shards), ("x16", tmp / "x16")):
+        cmd = [sys.executable, "-m", "trainer", "train", "--config", "configs/smoke.yaml", "data.name=shards", f"data.dir={folder}",
+               "data.loader=stream", "train.max_steps=60", "train.batch_size=256", "data.stream_workers=2", f"checkpoint.dir={tmp / name}",
+               "train.plot=false", "train.tensorboard=false"]
+        rows.append({"case": f"streamed-memory-{name}", **peak_memory(cmd)})
+    return rows
 
 
 def trainer_run(name: str, args: list[str], out: Path) -> dict:
@@ -114,9 +175,12 @@ def reference(root: Path, steps: int) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] == ["--readers"]:
-        for r in readers(Path(argv[1])):
-            print(json.dumps(r))
+    if argv[:1] in (["--readers"], ["--memory"]):
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            for r in readers(Path(argv[1])) if argv[0] == "--readers" else memory(Path(argv[1]), Path(tmp)):
+                print(json.dumps(r))
         return 0
     p = argparse.ArgumentParser()
     p.add_argument("out", type=Path)
@@ -140,13 +204,7 @@ def run(out: Path, cifar: Path, images: int = 25600, steps: int = 120) -> list[d
     made = time.time() - t0
     subprocess.run([sys.executable, "-m", "trainer", "data", "--shards", str(shards), "data.name=imagefolder", f"data.dir={root}"], check=True)
     sized = json.loads((shards / "train.json").read_text())
-    big = dict(sized, images=sized["images"] * 16, shardlist=sized["shardlist"] * 16)
-    (a.out / "x16").mkdir(exist_ok=True)
-    for f in shards.iterdir():
-        if f.suffix == ".tar" and not (a.out / "x16" / f.name).exists():
-            (a.out / "x16" / f.name).symlink_to(f)
-    (a.out / "x16" / "train.json").write_text(json.dumps(big))
-    (a.out / "x16" / "test.json").write_text((shards / "test.json").read_text())
+    times16(shards, a.out / "x16")
     steps = [f"train.max_steps={a.steps}"]
     rows = [{"case": "set", "images": a.images, "made_s": round(made, 1), "shard_bytes": sum(s["filesize"] for s in sized["shardlist"])}]
     rows.append(trainer_run("ceiling-synthetic-on-gpu", ["data.name=synthetic", f"data.synthetic_train_size={a.images}",
