@@ -50,10 +50,22 @@ class ShapesOnly(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+SIZES = {"seednet": (32, 32), "tinynet": (32, 32), "airnet": (9, None), "resnet18": (8, None)}
+"""The image sizes (least, most) this project's networks take: their linear heads expect seednet's
+and tinynet's 32 px feature maps; the others pool whatever is left."""
+
+
 def input_problem(name: str, image_size: int, num_classes: int = 10) -> str | None:
-    """Why ``name`` cannot take images of ``image_size`` (one line naming the fix), or None: one
-    forward pass of two images on the meta device, shapes only. An op without a meta kernel
-    proves nothing, and passes."""
+    """Why ``name`` cannot take images of ``image_size`` (one line naming the fix), or None. This
+    project's networks by :data:`SIZES`; torchvision's by one forward pass of two images on the meta
+    device, shapes only (its python kernels import torch._dynamo, a second or more: paid by runs of
+    torchvision models alone, which import torchvision anyway). An op without a meta kernel proves
+    nothing, and passes."""
+    if name in SIZES:
+        least, most = SIZES[name]
+        if image_size < least or (most is not None and image_size > most):
+            return _cannot(name, image_size, ValueError(f"it takes {least} px" + ("" if most == least else " or more")))
+        return None
     with torch.device("meta"), ShapesOnly():
         try:
             model = build(name, num_classes, image_size).eval()
@@ -71,7 +83,7 @@ def input_problem(name: str, image_size: int, num_classes: int = 10) -> str | No
 
 def _cannot(name: str, image_size: int, e: BaseException) -> str:
     why = " ".join(str(e).split())[:120] or e.__class__.__name__
-    fix = "data.image_size=32" if name in ("seednet", "tinynet") else "another data.image_size (224 fits every torchvision model)"
+    fix = "data.image_size=32" if name in SIZES else "another data.image_size (224 fits every torchvision model)"
     return f"model.name={name} cannot take data.image_size={image_size} images ({why}); use {fix} or another model.name"
 
 
