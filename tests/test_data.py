@@ -207,7 +207,7 @@ def test_the_path_is_decided_by_the_decoded_size_against_the_memory(tmp_path, mo
     need = 60 * 3 * 40 * 40
     assert not data.plan(cfg, need * 10 * 3, 1).stream  # 40 % of it is room enough
     small = data.plan(cfg_for(tmp_path / "sh", tmp_path, "data.name=shards"), need * 2, 1)
-    assert small.stream and "streamed from shards, JPEGs decoded by the GPU" in small.path_why and "GiB decoded > 40% of the GPU's" in small.path_why
+    assert small.stream and "streamed from shards, JPEGs decoded by the CPU workers" in small.path_why and "GiB decoded > 40% of the GPU's" in small.path_why
     monkeypatch.setattr(data, "DATA_MEMORY_SHARE", 1e-9)  # a folder too large for memory: shard it first
     with pytest.raises(ConfigError, match=r"needs .* GiB decoded, more than .*; shard it once with `trainer data --shards OUT"):
         data.plan(cfg_for(root, tmp_path), None, 1)

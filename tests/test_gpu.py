@@ -302,7 +302,7 @@ def test_a_restart_on_a_fresh_node_finds_its_checkpoint_and_compile_cache(tmp_pa
 
 def test_streamed_shards_decode_on_the_gpu_like_the_cpu(tmp_path):
     """The streamed path's GPU decode (nvjpeg, one call per batch) reads the same images, labels
-    and crops as the CPU workers' decode; a damaged JPEG is skipped and counted on both."""
+    and crops as the CPU workers' decode."""
     from conftest import make_jpegs
 
     from trainer.config import load_config

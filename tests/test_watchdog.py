@@ -350,3 +350,15 @@ def test_a_store_that_does_not_answer_names_rank_0s_host(monkeypatch):
     peers = watchdog.Peers(1, 2)
     peers.observe()
     assert "does not answer" in peers.culprit(5) and "rank 0" in peers.culprit(5)
+
+
+def test_a_gpu_steps_waits_on_its_queue_are_its_pace_not_stalls(tmp_path):
+    """Steps launched ahead: 1 ms pauses, then the queue is full and one waits 50 ms. Counted as
+    stalls, the progress lines left the waits out (30,000 images/s shown for 5,500)."""
+    dog = Watchdog(180, tmp_path, 0, timeout_s=300)
+    for step in range(1, 101):
+        dog._pause(0.05 if step % 5 == 0 else 0.001, "step")
+        dog._last_kind = "step"
+    assert dog.stalled_s == 0
+    dog._pause(30.0, "step")  # a cut link ridden out still is one
+    assert dog.stalled_s == pytest.approx(30.0 - 0.001)

@@ -90,8 +90,10 @@ class DataConfig:
     memory bounded. auto: memory when the decoded set fits in DATA_MEMORY_SHARE of the memory it
     would live in, else stream (shards only). The start line says which, and why."""
     decode: Literal["auto", "gpu", "cpu"] = "auto"
-    """Streamed JPEGs: decoded on the GPU in batches (nvjpeg; DataLoader workers only read bytes),
-    or by the DataLoader workers on the CPU. auto: gpu on CUDA."""
+    """Streamed JPEGs: decoded by the DataLoader workers on the CPU (cropped and resized there), or
+    on the GPU in batches (nvjpeg; the workers only read bytes; each image cropped and resized on
+    the training thread). auto: cpu, measured faster (BENCHMARKS.md: ResNet-50 on one H100 with 16
+    cores, CPU workers at the model's own pace, the GPU path at a third of it)."""
     max_bad_images: int = 100
     """Streamed images that fail to decode (a damaged shard) are skipped: a copy of another image of
     the same batch takes the place, and a line names the shard. Past this many on one rank the run
@@ -333,6 +335,7 @@ class Config:
             (self.dist.backend == "nccl" and strategy in ("cpu", "single", "dp"),
              f"dist.backend=nccl needs train.strategy=ddp or fsdp under torchrun, not {strategy}"),
             (self.dist.backend == "nccl" and cpu, "dist.backend=nccl needs CUDA GPUs and this run is on the CPU; use dist.backend=gloo (or auto)"),
+            (self.data.decode == "gpu" and cpu, "data.decode=gpu needs a CUDA GPU and this run is on the CPU; use data.decode=cpu (or auto)"),
             (t.param_dtype == "bf16" and no_bf16,
              "train.param_dtype=bf16 needs bf16 autocast; set train.precision=bf16 (or auto on a GPU), or train.param_dtype=fp32"),
             *[(t.param_dtype == "bf16" and bad, message) for bad, message in self._bf16_weights_rules(strategy)],

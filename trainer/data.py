@@ -441,7 +441,7 @@ def plan(cfg: Config, cuda_total: int | None, local_procs: int) -> Plan:
         need = (train["images"] + test["images"]) * 3 * side * side
         if d.loader == "stream" or (d.loader == "auto" and need > budget):
             why = "data.loader=stream" if d.loader == "stream" else f"{need / 2**30:.1f} GiB decoded > {of}"
-            decode = "GPU" if cuda_total and d.decode != "cpu" else "CPU workers"
+            decode = "GPU" if d.decode == "gpu" else "CPU workers"
             return Plan(_source(cfg), size, size_why, True, f"streamed from shards, JPEGs decoded by the {decode} ({why})")
         return Plan(_source(cfg), size, size_why, False, f"in memory, {where}: {need / 2**30:.2f} GiB decoded, within {of}")
     if d.loader == "stream":

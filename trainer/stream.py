@@ -6,10 +6,12 @@ same images at any world size, and a resume at step k (at any world size) reads 
 Each image's crop and flip come from uniform numbers drawn for its place in the global batch
 from ``(seed, epoch, step)``: the same at any world size and after a resume.
 
-DataLoader workers read a step's JPEG bytes by index (trainer/shards.py). With ``decode=gpu`` the
-batch is decoded on the GPU in one nvjpeg call (torchvision.io.decode_jpeg on a list), then each
-image is cropped and resized there; with ``decode=cpu`` the workers decode (libjpeg-turbo through
-torchvision.io), crop and resize, and the step receives uint8 images. Host memory is bounded by
+DataLoader workers read a step's JPEG bytes by index (trainer/shards.py). With ``decode=cpu`` (the
+default) the workers decode (libjpeg-turbo through torchvision.io), crop and resize in uint8, and
+the step receives uint8 images; with ``decode=gpu`` the batch is decoded on the GPU in one nvjpeg
+call (torchvision.io.decode_jpeg on a list), then each image is cropped and resized there, on the
+training thread: a third of the CPU workers' pace for ResNet-50 on one H100 (BENCHMARKS.md), so it
+is not the default until its crops run as one batched kernel on a side stream. Host memory is bounded by
 the workers' prefetched batches (2 per worker), whatever the set's size.
 
 torchvision 0.29 marks its image decoders deprecated in favour of TorchCodec's; they still work
@@ -58,11 +60,25 @@ def decode_cpu(raw: torch.Tensor) -> torch.Tensor:
 
 
 def crop_resize(img: torch.Tensor, box, size: int, flip: bool = False) -> torch.Tensor:
-    """uint8 [3, H, W] -> float [3, size, size]: the box, resized (bilinear, antialiased), mirrored."""
-    top, left, ch, cw = (int(v) for v in box)
-    x = img[:, top : top + ch, left : left + cw].unsqueeze(0).float()
+    """uint8 [3, H, W] -> [3, size, size]: the box, resized (bilinear, antialiased), mirrored. On the
+    CPU in uint8 and channels-last (torch's vectorised path: 7x the float one per core, measured);
+    on the GPU in float."""
+    top, left, ch, cw = box
+    x = img[:, top : top + ch, left : left + cw].unsqueeze(0)
+    x = x.contiguous(memory_format=torch.channels_last) if x.device.type == "cpu" else x.float()
     x = F.interpolate(x, size=(size, size), mode="bilinear", antialias=True, align_corners=False)[0]
     return x.flip(2) if flip else x
+
+
+def boxes(images: list, size: int, u: torch.Tensor | None, flip: bool) -> tuple[list, list[bool]]:
+    """Every image's crop box (random-resized from ``u``, else the test centre crop) and mirror
+    flag, for the whole batch at once (a box per image in small tensor ops cost more than its
+    decode). A missing image (one that did not decode) gets a box it never uses."""
+    sizes = [(im.shape[1], im.shape[2]) if im is not None else (1, 1) for im in images]
+    if u is None:
+        return [center_box(h, w, size) for h, w in sizes], [False] * len(images)
+    h, w = torch.tensor(sizes).unbind(1)
+    return crop_boxes(u, h, w).tolist(), ((u[:, 4] < 0.5) & flip).tolist()
 
 
 class StepBatches(Dataset):
@@ -180,14 +196,8 @@ def decode_on_gpu(raws: list[torch.Tensor], labels: torch.Tensor, where: list[st
             except RuntimeError:
                 images.append(None)
                 bad.append(j)
-    out = []
-    for j, img in enumerate(images):
-        if img is None:
-            out.append(None)
-            continue
-        h, w = img.shape[1], img.shape[2]
-        box = center_box(h, w, size) if u is None else crop_boxes(u[j : j + 1], torch.tensor([h]), torch.tensor([w]))[0]
-        out.append(crop_resize(img, box, size, u is not None and flip and bool(u[j, 4] < 0.5)))
+    at, mirror = boxes(images, size, u, flip)
+    out = [None if img is None else crop_resize(img, at[j], size, mirror[j]) for j, img in enumerate(images)]
     return fill_bad(out, bad, labels, where)
 
 
@@ -285,7 +295,7 @@ def decode_crop_cpu(raws, labels, where, size: int, u: torch.Tensor | None, flip
             images.append(None)
             bad.append(j)
             continue
-        h, w = img.shape[1], img.shape[2]
-        box = center_box(h, w, size) if u is None else crop_boxes(u[j : j + 1], torch.tensor([h]), torch.tensor([w]))[0]
-        images.append(crop_resize(img, box, size, u is not None and flip and bool(u[j, 4] < 0.5)).round().clamp(0, 255).to(torch.uint8))
-    return fill_bad(images, bad, labels, where)
+        images.append(img)
+    at, mirror = boxes(images, size, u, flip)
+    out = [None if img is None else crop_resize(img, at[j], size, mirror[j]) for j, img in enumerate(images)]
+    return fill_bad(out, bad, labels, where)

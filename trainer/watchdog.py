@@ -56,6 +56,10 @@ GROWTH = 10
 """The bound is at least this many times the longest ordinary pause between two beats."""
 STALL = 5
 """A pause longer than this many times the median of the recent pauses is a stall, not the run's pace."""
+STALL_MIN_S = 1.0
+"""...and longer than this: the training thread of a GPU run launches steps ahead and waits on the
+queue now and then (1 ms pauses, then 50 ms), which is its pace, not a stall (the progress lines
+left those waits out and read 30,000 images/s for 5,500)."""
 HISTORY = 64
 """Recent pauses the median is taken over."""
 CEILING = 0.9
@@ -125,7 +129,7 @@ class Watchdog:
         after an evaluation is left alone, its pause holds the epoch's start."""
         gaps = self._gaps[kind]
         median = statistics.median(gaps) if len(gaps) >= 3 else None
-        stall = median is not None and gap > STALL * median
+        stall = median is not None and gap > STALL * median and gap > STALL_MIN_S
         if stall and kind in ("step", "save") and self._last_kind in ("step", "save"):
             self.stalled_s += gap - median
         gaps.append(gap)

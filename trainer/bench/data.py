@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tarfile
@@ -25,7 +24,7 @@ import time
 from multiprocessing import Pool
 from pathlib import Path
 
-MODEL = ["model.name=resnet50", "data.image_size=224", "train.batch_size=256", "train.epochs=1", "train.log_every=10", "train.plot=false",
+MODEL = ["model.name=resnet50", "data.image_size=224", "train.batch_size=256", "train.epochs=1", "train.log_every=5", "train.plot=false",
          "train.tensorboard=false", "checkpoint.every_epochs=0", "optim.lr=0.1", "data.eval_batch_size=256"]
 
 
@@ -127,10 +126,11 @@ def trainer_run(name: str, args: list[str], out: Path) -> dict:
                        capture_output=True, text=True)
     (out / f"{name}.log").write_text(p.stdout + p.stderr)
     rows = [json.loads(line) for line in (ck / "metrics.jsonl").read_text().splitlines()] if (ck / "metrics.jsonl").exists() else []
-    logs = [r["images_per_s"] for r in rows if r.get("event") == "log"][2:]
+    logs = [r for r in rows if r.get("event") == "log"][1:]  # steady: from the end of the first window (workers started) on
+    rate = (logs[-1]["step"] - logs[0]["step"]) * 256 / (logs[-1]["time"] - logs[0]["time"]) if len(logs) > 1 else None
     epoch = next((r for r in rows if r.get("event") == "epoch"), {})
     share = epoch.get("data_ms_per_step", 0) / max(1e-9, epoch.get("data_ms_per_step", 0) + epoch.get("step_ms_per_step", 0)) if epoch else None
-    return {"case": name, "rc": p.returncode, "images_per_s": statistics.median(logs) if logs else None, "data_share": share,
+    return {"case": name, "rc": p.returncode, "images_per_s": round(rate) if rate else None, "data_share": share,
             "max_rss_MB": float(p.stdout.split("RSS_MB")[-1]) if "RSS_MB" in p.stdout else None, "wall_s": round(time.time() - t0, 1),
             "tail": (p.stdout + p.stderr)[-600:] if p.returncode else ""}
 
@@ -166,12 +166,8 @@ def reference(root: Path, steps: int) -> dict:
         if i % 10 == 0:
             torch.cuda.synchronize()
             times.append(time.perf_counter())
-    rates = [10 * 256 / (b - a) for a, b in zip(times[2:], times[3:], strict=False)]
-    t0, n = time.perf_counter(), 0
-    for _ in range(20):  # the loader alone
-        n += len(next(it)[0])
-    return {"case": "reference-loader", "images_per_s": statistics.median(rates), "loader_alone_images_per_s": n / (time.perf_counter() - t0),
-            "workers": workers}
+    rate = 10 * 256 * (len(times) - 2) / (times[-1] - times[1])  # steady: after the first ten steps
+    return {"case": "reference-loader", "images_per_s": round(rate), "workers": workers}
 
 
 def main(argv: list[str]) -> int:
@@ -207,7 +203,8 @@ def run(out: Path, cifar: Path, images: int = 25600, steps: int = 120) -> list[d
     times16(shards, a.out / "x16")
     steps = [f"train.max_steps={a.steps}"]
     rows = [{"case": "set", "images": a.images, "made_s": round(made, 1), "shard_bytes": sum(s["filesize"] for s in sized["shardlist"])}]
-    cases = [("ours-shards-gpu-decode", ["data.name=shards", f"data.dir={shards}", "data.loader=stream", *steps]),
+    cases = [("ours-shards-cpu-decode", ["data.name=shards", f"data.dir={shards}", "data.loader=stream", *steps]),
+             ("ours-shards-gpu-decode", ["data.name=shards", f"data.dir={shards}", "data.loader=stream", "data.decode=gpu", *steps]),
              # the ceiling: the same model on synthetic images already on the GPU (a small set: only the step is timed)
              ("ceiling-synthetic-on-gpu", ["data.name=synthetic", "data.synthetic_train_size=5120", "data.synthetic_test_size=256", *steps]),
              ("ours-shards-x16", ["data.name=shards", f"data.dir={a.out / 'x16'}", "data.loader=stream", *steps])]
