@@ -181,6 +181,7 @@ COMBINATIONS = {
     "lookahead with fsdp": (["train.strategy=fsdp", "optim.lookahead_every=5"], "optim.lookahead_every (Lookahead) does not work with train.strategy=fsdp"),
     "fused with fsdp": (["train.strategy=fsdp", "optim.impl=fused"], "optim.impl=fused does not run on fsdp's sharded parameters"),
     "fused on the cpu": (["train.strategy=cpu", "optim.impl=fused"], "optim.impl=fused needs CUDA"),
+    "gpu decode on the cpu": (["train.strategy=cpu", "data.decode=gpu"], "data.decode=gpu needs a CUDA GPU and this run is on the CPU"),
     "nccl in one process": (["train.strategy=single", "dist.backend=nccl"], "dist.backend=nccl needs train.strategy=ddp or fsdp under torchrun"),
     "nccl on the cpu": (["train.device=cpu", "dist.backend=nccl"], "dist.backend=nccl needs CUDA GPUs"),
     "bf16 weights without autocast": (["train.precision=fp32", "train.param_dtype=bf16"], "train.param_dtype=bf16 needs bf16 autocast"),
@@ -223,3 +224,9 @@ def test_trainer_launch_stops_on_a_rule_before_torchrun_starts(tmp_path):
                         f"checkpoint.dir={tmp_path / 'ck'}"), check=False, timeout=60)
     assert p.returncode == 2 and "torchrun" not in p.stderr and "does not work with train.strategy=fsdp" in p.stderr, p.stderr
     assert not (tmp_path / "ck").exists()
+
+
+def test_the_torchvision_model_list_is_the_installed_torchvisions():
+    from trainer.config import TORCHVISION_MODELS, torchvision_names
+
+    assert list(TORCHVISION_MODELS) == torchvision_names(), "torchvision's models changed: update TORCHVISION_MODELS in trainer/config.py"

@@ -364,6 +364,25 @@ CIFAR_MODELS = ("resnet18", "seednet", "airnet", "tinynet")
 """This project's own networks (trainer/models.py); every other model.name is torchvision's."""
 
 
+TORCHVISION_MODELS = (
+    "alexnet", "convnext_base", "convnext_large", "convnext_small", "convnext_tiny", "densenet121", "densenet161",
+    "densenet169", "densenet201", "efficientnet_b0", "efficientnet_b1", "efficientnet_b2", "efficientnet_b3",
+    "efficientnet_b4", "efficientnet_b5", "efficientnet_b6", "efficientnet_b7", "efficientnet_v2_l",
+    "efficientnet_v2_m", "efficientnet_v2_s", "googlenet", "inception_v3", "maxvit_t", "mnasnet0_5", "mnasnet0_75",
+    "mnasnet1_0", "mnasnet1_3", "mobilenet_v2", "mobilenet_v3_large", "mobilenet_v3_small", "regnet_x_16gf",
+    "regnet_x_1_6gf", "regnet_x_32gf", "regnet_x_3_2gf", "regnet_x_400mf", "regnet_x_800mf", "regnet_x_8gf",
+    "regnet_y_128gf", "regnet_y_16gf", "regnet_y_1_6gf", "regnet_y_32gf", "regnet_y_3_2gf", "regnet_y_400mf",
+    "regnet_y_800mf", "regnet_y_8gf", "resnet101", "resnet152", "resnet18", "resnet34", "resnet50",
+    "resnext101_32x8d", "resnext101_64x4d", "resnext50_32x4d", "shufflenet_v2_x0_5", "shufflenet_v2_x1_0",
+    "shufflenet_v2_x1_5", "shufflenet_v2_x2_0", "squeezenet1_0", "squeezenet1_1", "swin_b", "swin_s", "swin_t",
+    "swin_v2_b", "swin_v2_s", "swin_v2_t", "vgg11", "vgg11_bn", "vgg13", "vgg13_bn", "vgg16", "vgg16_bn", "vgg19",
+    "vgg19_bn", "vit_b_16", "vit_b_32", "vit_h_14", "vit_l_16", "vit_l_32", "wide_resnet101_2", "wide_resnet50_2",
+)
+"""torchvision's classification models (0.29; tests/test_config.py holds it equal to the installed
+torchvision's list): `trainer config --explain` and the config check need no torch import. A name
+missing here is looked up in the installed torchvision before it is refused."""
+
+
 def torchvision_names() -> list[str]:
     """torchvision's classification models (importing torchvision: a second or two, so only asked
     for a name that is not one of CIFAR_MODELS)."""
@@ -375,7 +394,9 @@ def torchvision_names() -> list[str]:
 def model_name_problem(name: str) -> str | None:
     """Why model.name names no model, or None. ``torchvision.NAME`` names torchvision's model where
     this project has one of the same name (torchvision.resnet18: the ImageNet stem)."""
-    if name in CIFAR_MODELS or name.removeprefix("torchvision.") in torchvision_names():
+    if name in CIFAR_MODELS or name.removeprefix("torchvision.") in TORCHVISION_MODELS:
+        return None
+    if name.removeprefix("torchvision.") in torchvision_names():  # a newer torchvision's
         return None
     choices = [*CIFAR_MODELS, *torchvision_names()]
     close = difflib.get_close_matches(name, choices, n=1)
@@ -564,7 +585,7 @@ def explain() -> str:
             shown = "auto" if default is None else default
             lines.append(f"{section_name}.{name} = {shown!r}  ({_describe(f.type)})\n    {doc}")
             if (section_name, name) == ("model", "name"):
-                lines.append(f"    models: {', '.join(CIFAR_MODELS)}; torchvision's: {', '.join(torchvision_names())}")
+                lines.append(f"    models: {', '.join(CIFAR_MODELS)}; torchvision's: {', '.join(TORCHVISION_MODELS)}")
     return "\n".join(lines)
 
 
