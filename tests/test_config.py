@@ -14,7 +14,7 @@ def test_default_yaml_mirrors_the_code_defaults():
     assert to_dict(load_config(ROOT / "configs" / "default.yaml")) == to_dict(Config())
 
 
-@pytest.mark.parametrize("name", ["default", "seed", "smoke", "fast"])
+@pytest.mark.parametrize("name", ["default", "seed", "smoke", "fast", "images"])
 def test_shipped_configs_open_with_launch_commands_that_resolve(name):
     """Each config file opens with the commands that train it; every such command's config file
     and overrides resolve (no unknown key, no wrong type), as `trainer train` would resolve them."""

@@ -103,3 +103,14 @@ def test_check_refuses_a_model_that_cannot_take_the_images_before_any_worker_sta
     p = run(trainer_cmd("check", *args, "model.name=seednet"), check=False)
     assert p.returncode == 2 and "model.name=seednet cannot take data.image_size=48 images" in p.stderr
     assert run(trainer_cmd("check", *args, "model.name=airnet")).stdout.strip() == "ok"
+
+
+def test_the_images_config_trains_from_shards(tmp_path):
+    """configs/images.yaml (the copy a user starts from), shrunk to seconds on a CPU: a small
+    torchvision model, 64 px, two steps."""
+    root = make_jpegs(tmp_path / "img", train=4, test=2, size=72)
+    shards.write(root, tmp_path / "sh")
+    p = run(trainer_cmd("train", "--config", "configs/images.yaml", f"data.dir={tmp_path / 'sh'}", "model.name=mobilenet_v3_small",
+                        "data.image_size=64", "train.batch_size=16", "train.max_steps=2", f"checkpoint.dir={tmp_path / 'ck'}"))
+    out = p.stdout + p.stderr
+    assert "mobilenet_v3_small |" in out and "40 train / 20 test images, 10 classes, 64 px (data.image_size)" in out and "done: step 2" in out
