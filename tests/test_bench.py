@@ -64,3 +64,17 @@ def check_eviction(volume: Path) -> None:
     assert evict_page_cache(volume) == 8 << 20
     assert resident_bytes(f) == 0
     assert volume in node_files(volume) and any((p / "torch").is_dir() for p in node_files(volume))
+
+
+def test_the_data_suites_sets_sixteen_times_the_images_over_the_same_shards(tmp_path):
+    """The data suite's 16x set (host memory flat as the set grows) reads the same images again."""
+    from conftest import make_jpegs
+
+    from trainer.bench.data import times16
+    from trainer.shards import ShardSet, write
+
+    write(make_jpegs(tmp_path / "img", train=3, test=1), tmp_path / "sh")
+    times16(tmp_path / "sh", tmp_path / "x16")
+    one, big = ShardSet(tmp_path / "sh", "train"), ShardSet(tmp_path / "x16", "train")
+    assert len(big) == 16 * len(one) == 480
+    assert big[7][:2] == one[7][:2] and big[30 * 15 + 7][:2] == one[7][:2]
