@@ -709,6 +709,22 @@ def test_torchx_local_cwd_runs_the_ddp_component_from_a_venv_not_activated(tmp_p
 
 
 @pytest.mark.slow
+def test_torchx_trains_from_shards_on_its_data_dir(tmp_path):
+    """Your own images under TorchX: the shards on --data_dir, data.name=shards after --, streamed."""
+    from conftest import make_jpegs
+
+    from trainer.shards import write
+
+    write(make_jpegs(tmp_path / "myset", train=12, test=3, size=32), tmp_path / "shards")
+    p = torchx("run", "--workspace", "", "-s", "local_cwd", "trainer/components.py:train_ddp", "--j", "1x2", "--gpu", "0", "--config", "configs/smoke.yaml",
+               "--checkpoint_mount", "", "--checkpoint_dir", str(tmp_path / "ck"), "--data_dir", str(tmp_path / "shards"), "--", "data.name=shards",
+               "data.loader=stream", "train.epochs=1", "train.batch_size=24", "train.plot=false", env=env(TORCHX_LOG_DIR=str(tmp_path / "logs")), timeout=600)
+    out = p.stdout + p.stderr
+    assert "Job finished: SUCCEEDED" in out and f"shards {tmp_path / 'shards'}: 120 train / 30 test images, 10 classes" in out, out[-3000:]
+    assert "streamed from shards" in out and (tmp_path / "ck" / "step-5" / "state.pt").is_file()
+
+
+@pytest.mark.slow
 def test_torchx_local_from_the_tools_venv_runs_the_repositorys_venv_or_says_what_to_install(tools_venv, tmp_path):
     """The README's TorchX block in order: `make tools` (TorchX, no torch), then a local run. With
     the repository's .venv the job runs in it; in a clone without one, the job stops in one line
