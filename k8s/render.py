@@ -152,6 +152,8 @@ def render(docs: list[dict], image: str | None, nodes: int | None, gpus: int | N
                     line[line.index("--config") + 1] = config
                 if args and c["name"] in ("pytorch", "node"):
                     c["args"] += args
+                elif args and c["name"] == "data" and line:  # the data it prepares is the one the trainer reads (data.name=shards ...)
+                    c["command"] += args
             for v in pod.get("volumes", []):  # shared memory counts against the memory limit: a quarter of it
                 if gpus is not None and v.get("emptyDir", {}).get("medium") == "Memory":
                     v["emptyDir"]["sizeLimit"] = f"{2 * gpus}Gi"

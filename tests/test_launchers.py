@@ -872,6 +872,19 @@ def test_render_honours_config_and_args_in_every_job_kind():
         data = [c for pod in pods for c in pod["initContainers"]]
         assert trainer and all(c["args"][c["args"].index("--config") + 1] == "configs/fast.yaml" and c["args"][-1] == "train.epochs=5" for c in trainer)
         assert data and all(c["command"][c["command"].index("--config") + 1] == "configs/fast.yaml" for c in data)
+        assert all(c["command"][-1] == "train.epochs=5" for c in data)  # the data container prepares the data the trainer reads
+
+
+def test_render_gives_the_data_container_the_shards_too():
+    """ARGS="data.name=shards ...": the init container checks the shards instead of fetching CIFAR-10."""
+    from render import render
+
+    for folder in ("multi-node", "trainjob", "elastic"):
+        docs = render(manifests(folder), None, None, None, args=["data.name=shards", "model.name=resnet50"])
+        for c in (c for d in docs for t in pod_templates(d).values() for c in t["spec"]["containers"] + t["spec"].get("initContainers", [])):
+            words = c.get("args") if c["name"] in ("pytorch", "node") else c.get("command")
+            if c["name"] in ("pytorch", "node", "data"):
+                assert words[-2:] == ["data.name=shards", "model.name=resnet50"], (folder, c["name"], words)
 
 
 def test_render_sizes_a_trainjob_and_the_gangs():
