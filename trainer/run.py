@@ -124,8 +124,7 @@ def build(cfg: Config, rt: Runtime, started_at: float | None = None) -> Run:
     resumed_from = pick_checkpoint(ckpt, rt)
     clock.mark("checkpoint_pick")
     train_split, test_split, steps_per_epoch, plan = load_data(cfg, rt, fast)
-    if plan.stream:  # nothing of the set is resident: the start line's fast path says so
-        fast = replace(fast, device_resident=False)
+    fast = replace(fast, device_resident=fast.device_resident and not plan.stream)  # streamed: nothing resident (the start line says so)
     ckpt.classes = train_split.classes
     clock.mark("data")
     augment = Augment(cfg, rt, fast.channels_last, rt.per_rank_batch(cfg.train.batch_size), steps_per_epoch)

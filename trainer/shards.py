@@ -73,50 +73,53 @@ def _prepare(item: tuple[int, str, str, bytes, int]) -> tuple[int, str, bytes | 
 def write(source_root: Path, out: Path, max_side: int = 512, workers: int | None = None) -> dict[str, dict]:
     """Write the train and test splits of ``source_root`` (class folders or their .tar.gz) as
     shards in ``out``; returns each split's index. Images are read in the folder's sorted order."""
-    import webdataset as wds
-
-    from trainer.folders import check_same_classes, find_source, members
+    from trainer.folders import check_same_classes, find_source
 
     if not source_root.is_dir():
         raise ConfigError(f"{source_root} does not exist; point it at a folder of train/ and test/ class folders (or their .tar.gz)")
     out.mkdir(parents=True, exist_ok=True)
-    indexes, workers = {}, workers or max(1, min(16, os.cpu_count() or 1))
-    for split in ("train", "test"):
-        source = find_source(source_root, split)
-        t0, last, sides, bad, classes, labels = time.monotonic(), time.monotonic(), [], [], [], {}
-        for old in out.glob(f"{split}-*.tar"):
-            old.unlink()
-        pattern = str(out / f"{split}-%06d.tar")
-        items = ((i, cls, name, raw, max_side) for i, (cls, name, raw) in enumerate(members(source)))
-        kept = 0
-        with get_context("fork").Pool(workers) as pool, wds.ShardWriter(pattern, maxcount=MAX_COUNT, maxsize=MAX_BYTES, verbose=0) as sink:
-            for _, cls, jpeg, side in pool.imap(_prepare, items, chunksize=64):
-                if side < 0:
-                    bad.append(jpeg.decode())
-                    continue
-                if cls not in labels:
-                    labels[cls] = None
-                sink.write({"__key__": f"{kept:09d}", "jpg": jpeg, "cls": cls.encode()})
-                sides.append(side)
-                kept += 1
-                if time.monotonic() - last >= 5:
-                    last = time.monotonic()
-                    say(f"  {split}: {kept:,} images in {last - t0:.0f} s")
-        classes = sorted(labels)
-        if bad:
-            more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
-            warnings.warn(f"skipped {len(bad)} unreadable image(s) of {split}: {'; '.join(bad[:3])}{more}", stacklevel=2)
-        if not kept:
-            raise ConfigError(f"{source} holds no readable images; expected {source}/<class>/<image>")
-        indexes[split] = {"__kind__": KIND, "wids_version": 1, "name": split, "classes": classes, "images": kept, "skipped": len(bad),
-                          "median_short_side": sorted(sides)[len(sides) // 2],
-                          "shardlist": [{"url": p.name, "nsamples": 0, "filesize": p.stat().st_size} for p in sorted(out.glob(f"{split}-*.tar"))]}
-        _offsets(out, split, indexes[split])
-        say(f"  {split}: {kept:,} images, {len(classes)} classes in {len(indexes[split]['shardlist'])} shard(s), {time.monotonic() - t0:.1f} s")
+    workers = workers or max(1, min(16, os.cpu_count() or 1))
+    indexes = {split: _write_split(find_source(source_root, split), out, split, max_side, workers) for split in ("train", "test")}
     check_same_classes(indexes["train"]["classes"], indexes["test"]["classes"], str(source_root))
     for split, index in indexes.items():
         (out / f"{split}.json").write_text(json.dumps(index, indent=1))
     return indexes
+
+
+def _write_split(source: Path, out: Path, split: str, max_side: int, workers: int) -> dict:
+    """One split's shards (images checked and converted by ``workers`` processes) and its index."""
+    import webdataset as wds
+
+    from trainer.folders import members
+
+    t0 = last = time.monotonic()
+    sides, bad, classes = [], [], set()
+    for old in out.glob(f"{split}-*.tar"):
+        old.unlink()
+    items = ((i, cls, name, raw, max_side) for i, (cls, name, raw) in enumerate(members(source)))
+    with get_context("fork").Pool(workers) as pool, wds.ShardWriter(str(out / f"{split}-%06d.tar"), maxcount=MAX_COUNT, maxsize=MAX_BYTES,
+                                                                     verbose=0) as sink:
+        for _, cls, jpeg, side in pool.imap(_prepare, items, chunksize=64):
+            if side < 0:
+                bad.append(jpeg.decode())
+                continue
+            classes.add(cls)
+            sink.write({"__key__": f"{len(sides):09d}", "jpg": jpeg, "cls": cls.encode()})
+            sides.append(side)
+            if time.monotonic() - last >= 5:
+                last = time.monotonic()
+                say(f"  {split}: {len(sides):,} images in {last - t0:.0f} s")
+    if bad:
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        warnings.warn(f"skipped {len(bad)} unreadable image(s) of {split}: {'; '.join(bad[:3])}{more}", stacklevel=3)
+    if not sides:
+        raise ConfigError(f"{source} holds no readable images; expected {source}/<class>/<image>")
+    index = {"__kind__": KIND, "wids_version": 1, "name": split, "classes": sorted(classes), "images": len(sides), "skipped": len(bad),
+             "median_short_side": sorted(sides)[len(sides) // 2],
+             "shardlist": [{"url": p.name, "nsamples": 0, "filesize": p.stat().st_size} for p in sorted(out.glob(f"{split}-*.tar"))]}
+    _offsets(out, split, index)
+    say(f"  {split}: {len(sides):,} images, {len(classes)} classes in {len(index['shardlist'])} shard(s), {time.monotonic() - t0:.1f} s")
+    return index
 
 
 def _offsets(out: Path, split: str, index: dict) -> None:
