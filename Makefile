@@ -26,7 +26,9 @@ CHECKPOINTS ?= checkpoints
 TEST_WORKERS ?= 2
 SLOW_WORKERS ?= 3
 BUILD ?= --build
-DATA_ARGS := $(if $(DATA),data.name=$(if $(wildcard $(DATA)/train.json),shards,imagefolder) data.dir=$(DATA))
+# DATA names shards (a folder `trainer data --shards` wrote: it holds train.json) or an image folder
+DATA_NAME := $(if $(wildcard $(DATA)/train.json),shards,imagefolder)
+DATA_ARGS := $(if $(DATA),data.name=$(DATA_NAME) data.dir=$(DATA))
 
 .PHONY: venv tools run-local test test-slow test-all test-gpu container-test lint bench image push compose-up k8s-storage k8s-apply k8s-checkov slurm-submit torchx-k8s slurm-up scorecard clean
 
@@ -124,7 +126,7 @@ compose-up:
 	mkdir -p $(or $(DATA),data) $(CHECKPOINTS)
 	IMAGE=$(IMAGE) NPROC_PER_NODE=$(NPROC) CONFIG=$(CONFIG) CHECKPOINTS=$(CHECKPOINTS) \
 		USER_ID=$${USER_ID:-$$(id -u)} GROUP_ID=$${GROUP_ID:-$$(id -g)} \
-		$(if $(DATA),DATA=$(DATA) DATA_NAME=imagefolder) $(COMPOSE) up $(BUILD)
+		$(if $(DATA),DATA=$(DATA) DATA_NAME=$(DATA_NAME)) $(COMPOSE) up $(BUILD)
 
 ## The image built and run by a real engine (podman here and in CI; the base built locally)
 ## (podman-compose and docker-compose 1.29.2, the v1 client, through podman's Docker API, run

@@ -1095,3 +1095,17 @@ def test_the_component_names_the_mounts_variable_the_supervisor_reads():
     from trainer import components, contract
 
     assert components.MOUNTS_ENV == contract.MOUNTS_ENV
+
+
+def test_make_takes_shards_or_an_image_folder_as_data(tmp_path):
+    """make run-local DATA=... and make compose-up DATA=...: a folder of shards (it holds train.json)
+    trains as data.name=shards, any other folder as an image folder."""
+    from conftest import make_jpegs
+
+    from trainer.shards import write
+
+    write(make_jpegs(tmp_path / "img", train=2, test=1), tmp_path / "sh")
+    for data, name in ((tmp_path / "sh", "shards"), (tmp_path / "img", "imagefolder")):
+        local = run(["make", "-n", "run-local", f"DATA={data}"], cwd=ROOT).stdout
+        compose = run(["make", "-n", "compose-up", f"DATA={data}"], cwd=ROOT).stdout
+        assert f"data.name={name} data.dir={data}" in local and f"DATA={data} DATA_NAME={name} " in compose, (local, compose)
