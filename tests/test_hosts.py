@@ -443,3 +443,35 @@ def test_pytorchjob_pods_deleted_save_once_exit_75_and_the_new_pods_resume(tmp_p
         both_finish(list(again.values()))
         assert f"resuming from /checkpoints/{job.name}/step-{stopped.group(1)}" in again[job.master].out.replace(str(tmp_path), "")
         assert "done: step 192" in again[job.master].out
+
+
+def test_a_streamed_epoch_stays_exact_when_an_elastic_job_grows(bed, tmp_path):
+    """Your own images, streamed from shards on a shared folder, under --nnodes 1:2: node0 trains
+    alone, node1 joins mid-epoch, the group re-forms at world size 2 from the save at the re-form.
+    Every image of each epoch trains exactly once, in the global batches of a one-process run
+    (per-sample ids of every rank and attempt)."""
+    from conftest import make_jpegs, slow_steps
+
+    from trainer.shards import write
+
+    write(make_jpegs(tmp_path / "img", train=12, test=3), tmp_path / "sh")  # 120 images: 10 steps of 12
+    job = ["data.name=shards", f"data.dir={tmp_path / 'sh'}", "data.loader=stream", "data.image_size=32", "data.stream_workers=1",
+           "train.batch_size=12", "train.epochs=3", "checkpoint.every_steps=0", "checkpoint.every_epochs=1"]
+    traces, ckpt = tmp_path / "traces", tmp_path / "ckpt"
+    traces.mkdir()
+    first = node(bed, "node0", ckpt, "s", *job, nnodes="1:2", environ={"TRAINER_SAMPLE_TRACE": str(traces), **slow_steps(0.3)})
+    first.when(r"epoch 1/3 step 4/10", timeout=120)
+    second = node(bed, "node1", ckpt, "s", *job, nnodes="1:2", environ={"TRAINER_SAMPLE_TRACE": str(traces), **slow_steps(0.3)})
+    both_finish([first, second])
+    assert "stopped by torchrun for a re-form of the group at step" in first.out and "strategy ddp x2" in first.out, first.out[-3000:]
+    assert [r["world_size"] for r in starts(ckpt)] == [1, 2]
+    steps: dict[tuple[int, int], list[int]] = {}
+    for f in traces.glob("samples-rank*.txt"):
+        for line in f.read_text().splitlines():
+            epoch, step, *ids = map(int, line.split())
+            steps.setdefault((epoch, step), []).extend(ids)
+    from trainer.loader import epoch_order
+
+    assert sorted(steps) == [(e, s) for e in range(3) for s in range(10)]
+    for (epoch, step), ids in steps.items():  # the one-process order: global batch k, whatever the world size
+        assert sorted(ids) == sorted(epoch_order(120, 0, epoch)[step * 12 : (step + 1) * 12].tolist()), (epoch, step)

@@ -30,6 +30,19 @@ from trainer.data import Split, norm_stats, small
 from trainer.runtime import Runtime
 
 
+def quiet_worker(_: int) -> None:
+    """A DataLoader worker leaves stop signals to its process: torchrun's re-form and Slurm send
+    SIGTERM to every process of the worker's group, and a worker killed by it made the training
+    process fail ("DataLoader worker ... is killed by signal: Terminated") instead of saving and
+    stopping. A worker ends with its DataLoader, or when its parent is gone."""
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+
 class ShardSampler(DistributedSampler):
     """DistributedSampler that can start mid-epoch, skipping the global batches already trained."""
 
@@ -278,6 +291,7 @@ class HostLoader:
         self.loader = DataLoader(
             TensorDataset(split.images, split.labels, torch.arange(len(split))), batch_size=per_rank_batch,
             sampler=self.sampler, drop_last=True, num_workers=num_workers, pin_memory=rt.cuda, persistent_workers=num_workers > 0,
+            worker_init_fn=quiet_worker,
         )
         self.steps_per_epoch = self.sampler.num_samples // per_rank_batch
         self.split, self.b = split, per_rank_batch

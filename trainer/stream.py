@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from trainer.config import Config, ConfigError
 from trainer.contract import say
-from trainer.loader import crop_boxes, epoch_order
+from trainer.loader import crop_boxes, epoch_order, quiet_worker
 from trainer.runtime import Runtime
 from trainer.shards import ShardSet
 
@@ -140,7 +140,7 @@ class StreamLoader:
         self.data = StepBatches(self.shards, rt.rank, rt.world_size, per_rank_batch, cfg.train.seed, self.size, cfg.data.flip, not gpu_decode)
         n = workers(cfg, rt, gpu_decode)
         self.loader_args = {"num_workers": n, "pin_memory": rt.cuda, "prefetch_factor": 2 if n else None,
-                            "persistent_workers": n > 0, "batch_size": None, "collate_fn": _as_is}
+                            "persistent_workers": n > 0, "batch_size": None, "collate_fn": _as_is, "worker_init_fn": quiet_worker}
         self._loader: DataLoader | None = None
         self._sampler = _Steps()
 
@@ -248,7 +248,8 @@ def eval_batches(cfg: Config, rt: Runtime, batch: int, gpu_decode: bool) -> Iter
     longest = math.ceil(len(shards) / rt.world_size)
     total = math.ceil(longest / batch)
     data = _EvalBatches(shards, mine, batch, size, not gpu_decode)
-    loader = DataLoader(data, batch_size=None, num_workers=min(len(data), workers(cfg, rt, gpu_decode)), collate_fn=_as_is, pin_memory=rt.cuda)
+    loader = DataLoader(data, batch_size=None, num_workers=min(len(data), workers(cfg, rt, gpu_decode)), collate_fn=_as_is, pin_memory=rt.cuda,
+                        worker_init_fn=quiet_worker)
     for item in loader:
         if gpu_decode:
             x, labels, _ = decode_on_gpu(item[0], item[1], item[2], size, rt.device)
