@@ -114,3 +114,14 @@ def test_the_images_config_trains_from_shards(tmp_path):
                         "data.image_size=64", "train.batch_size=16", "train.max_steps=2", f"checkpoint.dir={tmp_path / 'ck'}"))
     out = p.stdout + p.stderr
     assert "mobilenet_v3_small |" in out and "40 train / 20 test images, 10 classes, 64 px (data.image_size)" in out and "done: step 2" in out
+
+
+def test_shards_from_tarballs_hold_the_same_images_as_from_the_folder(tmp_path):
+    from test_data import tarballs
+
+    root = tarballs(tmp_path, per_class=3)  # set-train.tar.gz and set-test.tar.gz of make_folder's images
+    shards.write(root, tmp_path / "from-tars")
+    shards.write(tmp_path / "src", tmp_path / "from-folder")
+    a, b = shards.ShardSet(tmp_path / "from-tars", "train"), shards.ShardSet(tmp_path / "from-folder", "train")
+    assert a.classes == b.classes == ["blue", "green", "red"] and len(a) == len(b) == 9
+    assert [a[i][1] for i in range(9)] == [b[i][1] for i in range(9)]
