@@ -309,7 +309,7 @@ def test_streamed_shards_decode_on_the_gpu_like_the_cpu(tmp_path):
     from trainer.loader import Augment
     from trainer.runtime import setup, teardown
     from trainer.shards import write
-    from trainer.stream import StreamLoader
+    from trainer.stream import Streamed, StreamLoader
 
     make_jpegs(tmp_path / "img", train=30, test=10, size=48)
     write(tmp_path / "img", tmp_path / "sh")
@@ -319,7 +319,7 @@ def test_streamed_shards_decode_on_the_gpu_like_the_cpu(tmp_path):
                                  "train.batch_size=50", "data.stream_workers=1", "train.strategy=single", f"checkpoint.dir={tmp_path / 'ck'}"])
         rt = setup(cfg)
         try:
-            loader = StreamLoader(cfg, rt, 50, Augment(cfg, rt, False, 50, 6), decode == "gpu")
+            loader = StreamLoader(Streamed(tmp_path / "sh", "train"), cfg, rt, 50, Augment(cfg, rt, False, 50, 6), decode == "gpu")
             out[decode] = [(x.float().cpu(), y.cpu(), i.cpu()) for x, y, i in loader.epoch(0)]
         finally:
             teardown()

@@ -72,7 +72,7 @@ def test_a_damaged_jpeg_in_a_shard_is_skipped_counted_and_past_the_limit_stops(s
     from trainer.config import load_config
     from trainer.loader import Augment
     from trainer.runtime import setup, teardown
-    from trainer.stream import StreamLoader
+    from trainer.stream import Streamed, StreamLoader
 
     name = damage_one_jpeg(shard_dir)
     base = ["data.name=shards", f"data.dir={shard_dir}", "data.image_size=24", "train.batch_size=120", "data.stream_workers=1",
@@ -81,7 +81,7 @@ def test_a_damaged_jpeg_in_a_shard_is_skipped_counted_and_past_the_limit_stops(s
         cfg = load_config(None, [*base, f"data.max_bad_images={limit}"])
         rt = setup(cfg)
         try:
-            loader = StreamLoader(cfg, rt, 120, Augment(cfg, rt, False, 120, 1), gpu_decode=False)
+            loader = StreamLoader(Streamed(shard_dir, "train"), cfg, rt, 120, Augment(cfg, rt, False, 120, 1), gpu_decode=False)
             if stops:
                 with pytest.raises(ConfigError, match=r"1 images did not decode on rank 0 \(past data.max_bad_images=0; last in train-000000.tar\)"):
                     list(loader.epoch(0))

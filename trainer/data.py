@@ -194,14 +194,17 @@ def check_archive(source: Path) -> None:
             pass
 
 
-def _decode_folder(source: Path, side: int) -> tuple[torch.Tensor, list[str], list[str]]:
+def _decode(items, source: Path, side: int) -> tuple[torch.Tensor, list[str], list[str]]:
+    """(uint8 images [N, 3, side, side], their class names, the names of those that did not decode)
+    from ``items`` of (class name, file name, bytes): an image folder's or tarball's members, or a
+    shard split's images."""
     import torch
     from PIL import Image, UnidentifiedImageError
 
     images, names, bad = [], [], []
     t0 = last = time.monotonic()
     say(f"decoding {source} into the uint8 cache (once per data set and machine) ...")
-    for cls, name, raw in members(source):
+    for cls, name, raw in items:
         if time.monotonic() - last >= PROGRESS_S:  # a line every few seconds: 25 s of silence looks like a hang
             last = time.monotonic()
             say(f"  decoded {len(images):,} images in {last - t0:.0f} s")
@@ -241,7 +244,7 @@ def _imagefolder(cfg: Config) -> tuple[Split, Split]:
     sources, key = _imagefolder_sources(cfg)
 
     def build() -> tuple[Split, Split]:
-        decoded = [_decode_folder(s, store_size(cfg.data.image_size or 32)) for s in sources]
+        decoded = [_decode(members(s), s, store_size(cfg.data.image_size or 32)) for s in sources]
         classes = sorted(set(decoded[0][1]))
         check_same_classes(classes, sorted(set(decoded[1][1])), str(root))
         index = {c: i for i, c in enumerate(classes)}
@@ -308,7 +311,6 @@ def _decode_shards(root: Path, side: int) -> tuple[Split, Split]:
     """Both splits decoded at ``side`` x ``side`` (shorter side, centre crop): the in-memory path
     of shards that fit."""
     import torch
-    from PIL import Image
 
     from trainer.shards import ShardSet, check
 
@@ -316,14 +318,9 @@ def _decode_shards(root: Path, side: int) -> tuple[Split, Split]:
     out = []
     for split in ("train", "test"):
         ds = ShardSet(root, split)
-        say(f"decoding {len(ds):,} {split} images of {root} into the uint8 cache (once per data set and machine) ...")
-        images = torch.empty(len(ds), side, side, 3, dtype=torch.uint8)
-        labels = torch.empty(len(ds), dtype=torch.int64)
-        for i, (raw, label, _) in enumerate(ds):
-            with Image.open(io.BytesIO(raw)) as im:
-                images[i] = torch.frombuffer(bytearray(resize_center(to_rgb(im), side).tobytes()), dtype=torch.uint8).view(side, side, 3)
-            labels[i] = label
-        out.append(Split(images.permute(0, 3, 1, 2).contiguous(), labels, ds.classes))
+        x, names, _ = _decode(((ds.classes[label], where, raw) for raw, label, where in ds), root / split, side)
+        index = {c: i for i, c in enumerate(ds.classes)}
+        out.append(Split(x, torch.tensor([index[n] for n in names]), ds.classes))
     return out[0], out[1]
 
 

@@ -43,7 +43,7 @@ def evaluate(model: torch.nn.Module, split: Split, cfg: Config, rt: Runtime, aug
     else:  # streamed from the test shards
         from trainer.stream import eval_batches as streamed
 
-        batches = streamed(cfg, rt, cfg.data.eval_batch_size, rt.cuda and cfg.data.decode == "gpu")
+        batches = streamed(split, cfg, rt, cfg.data.eval_batch_size)
     for x, y in batches:
         with torch.autocast(rt.device.type, dtype=torch.bfloat16, enabled=bf16):
             logits = predict(model, augment.eval(x), cfg.train.tta).float()

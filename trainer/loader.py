@@ -64,6 +64,14 @@ def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
 
 
+def rank_order(n: int, seed: int, epoch: int, rank: int, world: int) -> torch.Tensor:
+    """Rank ``rank``'s indices of ``epoch``, as DistributedSampler deals them: every world-size-th
+    image of :func:`epoch_order` (the tail that does not fill a round dropped). Global batch k is
+    then the same images at any world size."""
+    order = epoch_order(n, seed, epoch)
+    return order[: n // world * world][rank::world]
+
+
 class Augment:
     """uint8 images -> normalised float images, with random crop and flip for training: CIFAR's
     pad-and-crop for small images, a random-resized crop of the stored image (one batched
@@ -232,9 +240,7 @@ class DeviceLoader:
 
     def order_into(self, epoch: int, out: torch.Tensor) -> torch.Tensor:
         """This rank's indices of ``epoch`` written into the host tensor ``out`` (CPU work only)."""
-        order = epoch_order(len(self.labels), self.seed, epoch)
-        w, r = self.rt.world_size, self.rt.rank
-        return out.copy_(order[: len(order) // w * w][r::w][: len(out)])
+        return out.copy_(rank_order(len(self.labels), self.seed, epoch, self.rt.rank, self.rt.world_size)[: len(out)])
 
     def indices(self, epoch: int) -> torch.Tensor:
         """This rank's indices of ``epoch`` on the device, from the helper thread when it drew

@@ -181,16 +181,11 @@ def pick_checkpoint(ckpt: Checkpointer, rt: Runtime) -> Path | None:
 
 def make_loader(cfg: Config, rt: Runtime, split: Any, fast: Fast, augment: Augment):
     """The streamed loader for a set left in its shards, else an in-memory one."""
-    from trainer.stream import Streamed, StreamLoader
+    from trainer.stream import Streamed, StreamLoader, gpu_decode
 
     if isinstance(split, Streamed):
-        return StreamLoader(cfg, rt, rt.per_rank_batch(cfg.train.batch_size), augment, gpu_decode(cfg, rt))
+        return StreamLoader(split, cfg, rt, rt.per_rank_batch(cfg.train.batch_size), augment, gpu_decode(cfg, rt))
     return make_train_loader(cfg, rt, split, fast.device_resident, augment)
-
-
-def gpu_decode(cfg: Config, rt: Runtime) -> bool:
-    """Streamed JPEGs decoded on the GPU (data.decode=gpu; auto: by the CPU workers, measured faster)."""
-    return rt.cuda and cfg.data.decode == "gpu"
 
 
 def load_data(cfg: Config, rt: Runtime, fast: Fast) -> tuple[Any, Any, int, data.Plan]:

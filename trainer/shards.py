@@ -132,11 +132,14 @@ def _offsets(out: Path, split: str, index: dict) -> None:
     label = {c: i for i, c in enumerate(index["classes"])}
     rows = []
     for k, shard in enumerate(index["shardlist"]):
+        jpgs, classes = {}, {}
         with tarfile.open(out / shard["url"]) as tar:
-            members = list(tar)
-        jpgs = {m.name.rsplit(".", 1)[0]: m for m in members if m.name.endswith(".jpg")}
-        with tarfile.open(out / shard["url"]) as tar:
-            classes = {m.name.rsplit(".", 1)[0]: tar.extractfile(m).read().decode() for m in members if m.name.endswith(".cls")}
+            for m in tar:
+                key, ext = m.name.rsplit(".", 1)
+                if ext == "jpg":
+                    jpgs[key] = m
+                elif ext == "cls":
+                    classes[key] = tar.extractfile(m).read().decode()
         for key in sorted(jpgs):
             rows.append((k, jpgs[key].offset_data, jpgs[key].size, label[classes[key]]))
         shard["nsamples"] = len(jpgs)

@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from trainer.config import Config, ConfigError
 from trainer.contract import say
-from trainer.loader import crop_boxes, epoch_order, quiet_worker
+from trainer.loader import crop_boxes, quiet_worker, rank_order
 from trainer.runtime import Runtime
 from trainer.shards import ShardSet
 
@@ -85,15 +85,15 @@ class StepBatches(Dataset):
     """Item (epoch, step): this rank's images of that global step. GPU decode: the raw JPEG bytes;
     CPU decode: decoded, cropped, resized and mirrored uint8 images. Worker processes run it."""
 
-    def __init__(self, shards: ShardSet, rank: int, world: int, per_rank: int, seed: int, size: int, flip: bool, on_cpu: bool, train: bool = True):
+    def __init__(self, shards: ShardSet, rank: int, world: int, per_rank: int, seed: int, size: int, flip: bool, on_cpu: bool):
         self.shards, self.rank, self.world, self.b, self.seed = shards, rank, world, per_rank, seed
-        self.size, self.flip, self.on_cpu, self.train = size, flip, on_cpu, train
+        self.size, self.flip, self.on_cpu = size, flip, on_cpu
         self._order: tuple[int, torch.Tensor] | None = None
 
     def mine(self, epoch: int) -> torch.Tensor:
+        """This rank's indices of ``epoch`` (drawn once per epoch in each worker)."""
         if self._order is None or self._order[0] != epoch:
-            order = epoch_order(len(self.shards), self.seed, epoch)
-            self._order = (epoch, order[: len(order) // self.world * self.world][self.rank :: self.world])
+            self._order = (epoch, rank_order(len(self.shards), self.seed, epoch, self.rank, self.world))
         return self._order[1]
 
     def __getitem__(self, item: tuple[int, int]):
@@ -103,7 +103,7 @@ class StepBatches(Dataset):
         raws, labels, where = read(self.shards, idx.tolist())
         if not self.on_cpu:
             return raws, labels, idx, u, where
-        x, labels, bad = decode_crop_cpu(raws, labels, where, self.size, u if self.train else None, self.flip)
+        x, labels, bad = decode_crop_cpu(raws, labels, where, self.size, u, self.flip)
         return x, labels, idx, bad
 
 
@@ -118,7 +118,12 @@ def fill_bad(images: list, bad: list[int], labels: torch.Tensor, where: list[str
     return torch.stack(images), labels, [where[j] for j in bad]
 
 
-def workers(cfg: Config, rt: Runtime, gpu_decode: bool) -> int:
+def gpu_decode(cfg: Config, rt: Runtime) -> bool:
+    """Streamed JPEGs decoded on the GPU (data.decode=gpu; auto: by the CPU workers, measured faster)."""
+    return rt.cuda and cfg.data.decode == "gpu"
+
+
+def workers(cfg: Config, gpu_decode: bool) -> int:
     if cfg.data.stream_workers:
         return cfg.data.stream_workers
     if gpu_decode:
@@ -128,17 +133,35 @@ def workers(cfg: Config, rt: Runtime, gpu_decode: bool) -> int:
     return max(1, min(16, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
+class Streamed:
+    """A split that stays in its shards (the run's train_split or test_split on the streamed path)."""
+
+    images = None
+
+    def __init__(self, root: Path, split: str):
+        self.shards = ShardSet(root, split)
+        self.classes = self.shards.classes
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+    def sample(self, n: int, size: int) -> torch.Tensor:
+        """uint8 [n, 3, size, size]: centre crops of n images spread over the set (airnet's
+        whitening is computed from them, as from the first 5,000 of a set in memory)."""
+        ids = range(0, len(self.shards), max(1, len(self.shards) // n))[:n]
+        return decode_crop_cpu(*read(self.shards, ids), size, None, False)[0]
+
+
 class StreamLoader:
     """Training batches from shards: (normalised float images, labels, data-set indices) per step,
     as DeviceLoader and HostLoader give them."""
 
-    def __init__(self, cfg: Config, rt: Runtime, per_rank_batch: int, augment, gpu_decode: bool):
+    def __init__(self, split: Streamed, cfg: Config, rt: Runtime, per_rank_batch: int, augment, gpu_decode: bool):
         self.rt, self.b, self.augment, self.gpu = rt, per_rank_batch, augment, gpu_decode
         self.size, self.max_bad, self.bad = cfg.data.image_size, cfg.data.max_bad_images, 0
-        self.shards = ShardSet(Path(cfg.data.dir), "train")
-        self.steps_per_epoch = len(self.shards) // (per_rank_batch * rt.world_size)
-        self.data = StepBatches(self.shards, rt.rank, rt.world_size, per_rank_batch, cfg.train.seed, self.size, cfg.data.flip, not gpu_decode)
-        n = workers(cfg, rt, gpu_decode)
+        self.steps_per_epoch = len(split) // (per_rank_batch * rt.world_size)
+        self.data = StepBatches(split.shards, rt.rank, rt.world_size, per_rank_batch, cfg.train.seed, self.size, cfg.data.flip, not gpu_decode)
+        n = workers(cfg, gpu_decode)
         self.loader_args = {"num_workers": n, "pin_memory": rt.cuda, "prefetch_factor": 2 if n else None,
                             "persistent_workers": n > 0, "batch_size": None, "collate_fn": _as_is, "worker_init_fn": quiet_worker}
         self._loader: DataLoader | None = None
@@ -176,7 +199,7 @@ class StreamLoader:
 
     def first_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Epoch 0's first batch (warm-up): the same images and crops the first step reads."""
-        x, y, _ = self.finish(_as_is(self.data[(0, 0)]))
+        x, y, _ = self.finish(self.data[(0, 0)])
         return x, y
 
 
@@ -201,25 +224,6 @@ def decode_on_gpu(raws: list[torch.Tensor], labels: torch.Tensor, where: list[st
     return fill_bad(out, bad, labels, where)
 
 
-class Streamed:
-    """A split that stays in its shards (the run's train_split or test_split on the streamed path)."""
-
-    images = None
-
-    def __init__(self, root: Path, split: str):
-        self.shards = ShardSet(root, split)
-        self.classes = self.shards.classes
-
-    def __len__(self) -> int:
-        return len(self.shards)
-
-    def sample(self, n: int, size: int) -> torch.Tensor:
-        """uint8 [n, 3, size, size]: centre crops of n images spread over the set (airnet's
-        whitening is computed from them, as from the first 5,000 of a set in memory)."""
-        ids = range(0, len(self.shards), max(1, len(self.shards) // n))[:n]
-        return decode_crop_cpu(*read(self.shards, ids), size, None, False)[0]
-
-
 class _Steps:
     """The sampler of (epoch, step) items: set before each epoch; persistent workers keep reading."""
 
@@ -237,21 +241,21 @@ def _as_is(item):
     return item
 
 
-def eval_batches(cfg: Config, rt: Runtime, batch: int, gpu_decode: bool) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def eval_batches(split: Streamed, cfg: Config, rt: Runtime, batch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's contiguous share of the test shards in batches, centre-cropped at
     data.image_size (uint8 from CPU workers, float from the GPU's decoder); every rank yields the
     same number of batches (the last ones may be empty), as trainer/loader.py's eval_batches."""
     from trainer.loader import eval_shard
 
-    shards = ShardSet(Path(cfg.data.dir), "test")
+    shards, on_gpu = split.shards, gpu_decode(cfg, rt)
     mine, size = eval_shard(len(shards), rt), cfg.data.image_size
     longest = math.ceil(len(shards) / rt.world_size)
     total = math.ceil(longest / batch)
-    data = _EvalBatches(shards, mine, batch, size, not gpu_decode)
-    loader = DataLoader(data, batch_size=None, num_workers=min(len(data), workers(cfg, rt, gpu_decode)), collate_fn=_as_is, pin_memory=rt.cuda,
+    data = _EvalBatches(shards, mine, batch, size, not on_gpu)
+    loader = DataLoader(data, batch_size=None, num_workers=min(len(data), workers(cfg, on_gpu)), collate_fn=_as_is, pin_memory=rt.cuda,
                         worker_init_fn=quiet_worker)
     for item in loader:
-        if gpu_decode:
+        if on_gpu:
             x, labels, _ = decode_on_gpu(item[0], item[1], item[2], size, rt.device)
         else:
             x, labels = item[0].to(rt.device, non_blocking=True), item[1]
