@@ -3,11 +3,14 @@ GPU) fed three ways in one call: synthetic images already on the GPU (the ceilin
 streamed and decoded on the GPU (this trainer), and torchvision's reference loader (ImageFolder,
 PIL RandomResizedCrop and flip, a DataLoader with a worker per core, pinned memory).
 
-There is no large image set offline: the set is CIFAR-10's JPEGs upscaled to 256 px and re-encoded
-(quality 90), made here from the tarballs in ``--cifar``. Host memory: the streamed run again over
-an index that lists every shard 16 times (16x the images, the same files), peak RSS of each.
+There is no large image set offline: the set is CIFAR-10's JPEGs upscaled and re-encoded (quality
+90), made here from the tarballs in ``--cifar``: 256 px squares of 12 KB, or with ``--photo``
+500x375 images with added grain, about 100 KB each, the size and decode cost of a photo. Each feed
+is also timed alone (the loader, no model: batches on the GPU), its capacity where the GPU would
+take more. Host memory: the streamed run again over an index that lists every shard 16 times (16x
+the images, the same files), peak RSS of each.
 
-    python -m trainer.bench.data OUT --cifar DIR [--images 25600] [--steps 120]
+    python -m trainer.bench.data OUT --cifar DIR [--photo] [--images 25600] [--steps 100]
     python -m trainer.bench.data --readers SHARDS     # the two readers on the CPU
     python -m trainer.bench.data --memory SHARDS      # host memory of a streamed CPU run, the set x1 and x16
 """
@@ -24,22 +27,27 @@ import time
 from multiprocessing import Pool
 from pathlib import Path
 
-MODEL = ["model.name=resnet50", "data.image_size=224", "train.batch_size=256", "train.epochs=1", "train.log_every=5", "train.plot=false",
+MODEL = ["model.name=resnet50", "data.image_size=224", "train.batch_size=256", "train.epochs=2", "train.log_every=5", "train.plot=false",
          "train.tensorboard=false", "checkpoint.every_epochs=0", "optim.lr=0.1", "data.eval_batch_size=256"]
 
 
-def _upscale(item: tuple[str, bytes, str]) -> None:
+def _upscale(item: tuple[str, bytes, str, bool]) -> None:
     import io
 
+    import numpy as np
     from PIL import Image
 
-    name, raw, out = item
-    Image.open(io.BytesIO(raw)).convert("RGB").resize((256, 256), Image.BICUBIC).save(out, quality=90)
+    name, raw, out, photo = item
+    img = Image.open(io.BytesIO(raw)).convert("RGB").resize((500, 375) if photo else (256, 256), Image.BICUBIC)
+    if photo:  # grain: a smooth upscale compresses to a fifth of a photo's bytes and decodes faster
+        grain = np.random.default_rng(abs(hash(name)) % 2**32).normal(0, 20, (375, 500, 3))
+        img = Image.fromarray((np.asarray(img) + grain).clip(0, 255).astype(np.uint8))
+    img.save(out, format="JPEG", quality=90)
 
 
-def make_set(cifar: Path, root: Path, images: int, test: int = 1024) -> None:
+def make_set(cifar: Path, root: Path, images: int, test: int = 1024, photo: bool = False) -> None:
     """CIFAR-10's first ``images`` train and ``test`` test JPEGs (round robin over classes), upscaled to
-    256 px. Each tarball is read once, in order: a member taken out of a gzip stream out of order
+    256 px (or photo-like, see the module's docstring). Each tarball is read once, in order: a member taken out of a gzip stream out of order
     decompresses it again from the start (a 20,000-image set took minutes that way)."""
     jobs = []
     for split, n in (("train", images), ("test", test)):
@@ -52,7 +60,7 @@ def make_set(cifar: Path, root: Path, images: int, test: int = 1024) -> None:
         for name, raw in picked:
             out = root / split / Path(name).parts[-2] / Path(name).name
             out.parent.mkdir(parents=True, exist_ok=True)
-            jobs.append((name, raw, str(out)))
+            jobs.append((name, raw, str(out), photo))
     with Pool(os.cpu_count()) as pool:
         pool.map(_upscale, jobs, chunksize=256)
 
@@ -118,8 +126,9 @@ def memory(shards: Path, tmp: Path) -> list[dict]:
 
 
 def trainer_run(name: str, args: list[str], out: Path) -> dict:
-    """One `trainer train` run; its steady images/s (median of the log windows after the first
-    two), data share of a step and peak RSS."""
+    """One `trainer train` run of two epochs; the second's steady images/s (from its first log
+    line to its last) and data share of a step (workers started, the model compiled), and the peak
+    RSS."""
     ck = out / f"ck-{name}"
     t0 = time.time()
     # a wrapper process, so that the peak RSS read is this run's (its largest process, workers included)
@@ -128,9 +137,9 @@ def trainer_run(name: str, args: list[str], out: Path) -> dict:
                        capture_output=True, text=True)
     (out / f"{name}.log").write_text(p.stdout + p.stderr)
     rows = [json.loads(line) for line in (ck / "metrics.jsonl").read_text().splitlines()] if (ck / "metrics.jsonl").exists() else []
-    logs = [r for r in rows if r.get("event") == "log"][1:]  # steady: from the end of the first window (workers started) on
+    logs = [r for r in rows if r.get("event") == "log" and r.get("epoch") == 1]
     rate = (logs[-1]["step"] - logs[0]["step"]) * 256 / (logs[-1]["time"] - logs[0]["time"]) if len(logs) > 1 else None
-    epoch = next((r for r in rows if r.get("event") == "epoch"), {})
+    epoch = next((r for r in rows if r.get("event") == "epoch" and r.get("epoch") == 1), {})
     share = epoch.get("data_ms_per_step", 0) / max(1e-9, epoch.get("data_ms_per_step", 0) + epoch.get("step_ms_per_step", 0)) if epoch else None
     return {"case": name, "rc": p.returncode, "images_per_s": round(rate) if rate else None, "data_share": share,
             "max_rss_MB": float(p.stdout.split("RSS_MB")[-1]) if "RSS_MB" in p.stdout else None, "wall_s": round(time.time() - t0, 1),
@@ -172,6 +181,48 @@ def reference(root: Path, steps: int) -> dict:
     return {"case": "reference-loader", "images_per_s": round(rate), "workers": workers}
 
 
+def loader_alone(shards: Path, root: Path, steps: int) -> list[dict]:
+    """Each feed without the model: batches of 256 on the GPU, normalised float (ours: CPU workers
+    and GPU decode; the reference: its DataLoader's tensors copied over). Steady images/s after ten
+    batches."""
+    import torch
+    import torchvision
+    from torchvision import transforms as T
+
+    from trainer.config import load_config
+    from trainer.loader import Augment
+    from trainer.runtime import setup, teardown
+    from trainer.stream import Streamed, StreamLoader
+
+    def rate(batches) -> float:
+        times = []
+        for i, _x in zip(range(steps), batches, strict=False):
+            if i % 10 == 0:
+                torch.cuda.synchronize()
+                times.append(time.perf_counter())
+        return 10 * 256 * (len(times) - 2) / (times[-1] - times[1])
+
+    rows = []
+    for decode in ("cpu", "gpu"):
+        cfg = load_config(None, ["data.name=shards", f"data.dir={shards}", "data.image_size=224", "train.batch_size=256",
+                                 f"data.decode={decode}", "train.strategy=single", "checkpoint.dir=/tmp/unused"])
+        rt = setup(cfg)
+        try:
+            loader = StreamLoader(Streamed(shards, "train"), cfg, rt, 256, Augment(cfg, rt, True, 256, 1), decode == "gpu")
+            batches = (x for e in range(1000) for x, _, _ in loader.epoch(e))
+            rows.append({"case": f"ours-{decode}-decode-loader-alone", "images_per_s": round(rate(batches)),
+                         "workers": loader.loader_args["num_workers"]})
+        finally:
+            teardown()
+    tf = T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))])
+    workers = len(os.sched_getaffinity(0)) - 1
+    loader = torch.utils.data.DataLoader(torchvision.datasets.ImageFolder(str(root / "train"), tf), batch_size=256, shuffle=True,
+                                         num_workers=workers, pin_memory=True, drop_last=True, persistent_workers=True, prefetch_factor=4)
+    batches = (x.cuda(non_blocking=True) for _ in range(1000) for x, _ in loader)
+    rows.append({"case": "reference-loader-alone", "images_per_s": round(rate(batches)), "workers": workers})
+    return rows
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] in (["--readers"], ["--memory"]):
         import tempfile
@@ -184,31 +235,32 @@ def main(argv: list[str]) -> int:
     p.add_argument("out", type=Path)
     p.add_argument("--cifar", type=Path, required=True)
     p.add_argument("--images", type=int, default=25600)
-    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--photo", action="store_true", help="500x375 images of about 100 KB (default: 256 px, 12 KB)")
     a = p.parse_args(argv)
-    for r in run(a.out, a.cifar, a.images, a.steps):
+    for r in run(a.out, a.cifar, a.images, a.steps, a.photo):
         print(json.dumps(r))
     return 0
 
 
-def run(out: Path, cifar: Path, images: int = 25600, steps: int = 120) -> list[dict]:
+def run(out: Path, cifar: Path, images: int = 25600, steps: int = 100, photo: bool = False) -> list[dict]:
     """Every case of the suite; the rows, also written to OUT/data-bench.json."""
     a = argparse.Namespace(out=out, cifar=cifar, images=images, steps=steps)
     a.out.mkdir(parents=True, exist_ok=True)
-    root, shards = a.out / "jpeg256", a.out / "shards"
+    root, shards = a.out / ("photo" if photo else "jpeg256"), a.out / ("shards-photo" if photo else "shards")
     t0 = time.time()
     if not (root / "test").is_dir():
-        make_set(a.cifar, root, a.images)
+        make_set(a.cifar, root, a.images, photo=photo)
     made = time.time() - t0
     subprocess.run([sys.executable, "-m", "trainer", "data", "--shards", str(shards), "data.name=imagefolder", f"data.dir={root}"], check=True)
     sized = json.loads((shards / "train.json").read_text())
     times16(shards, a.out / "x16")
-    steps = [f"train.max_steps={a.steps}"]
-    rows = [{"case": "set", "images": a.images, "made_s": round(made, 1), "shard_bytes": sum(s["filesize"] for s in sized["shardlist"])}]
+    steps = [f"train.max_steps={2 * a.steps}"]
+    rows = [{"case": "set", "photo": photo, "images": a.images, "made_s": round(made, 1), "shard_bytes": sum(s["filesize"] for s in sized["shardlist"])}]
     cases = [("ours-shards-cpu-decode", ["data.name=shards", f"data.dir={shards}", "data.loader=stream", *steps]),
              ("ours-shards-gpu-decode", ["data.name=shards", f"data.dir={shards}", "data.loader=stream", "data.decode=gpu", *steps]),
              # the ceiling: the same model on synthetic images already on the GPU (a small set: only the step is timed)
-             ("ceiling-synthetic-on-gpu", ["data.name=synthetic", "data.synthetic_train_size=5120", "data.synthetic_test_size=256", *steps]),
+             ("ceiling-synthetic-on-gpu", ["data.name=synthetic", "data.synthetic_train_size=12800", "data.synthetic_test_size=256", *steps]),
              ("ours-shards-x16", ["data.name=shards", f"data.dir={a.out / 'x16'}", "data.loader=stream", *steps])]
     for name, args in cases:
         if name.endswith("x16") and os.environ.get("BENCH_SKIP_X16"):
@@ -218,6 +270,9 @@ def run(out: Path, cifar: Path, images: int = 25600, steps: int = 120) -> list[d
         print(json.dumps(rows[-1]), flush=True)
     rows.append(reference(root, a.steps))
     print(json.dumps(rows[-1]), flush=True)
+    for row in loader_alone(shards, root, max(a.steps, 60)):
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     (a.out / "data-bench.json").write_text(json.dumps(rows, indent=1))
     return rows
 
