@@ -1,5 +1,5 @@
 # Thin aliases around the one entry point (`python -m trainer`). Variables:
-#   CONFIG=configs/default.yaml  DATA=<folder of train/ test/ or their .tar.gz, or shards>  ARGS="key=value ..."
+#   CONFIG=configs/default.yaml (run-local: a job that fits the machine)  DATA=<folder of train/ test/ or their .tar.gz, or shards>  ARGS="key=value ..."
 #   NPROC=auto (one per GPU, else 2)  IMAGE=cluster-trainer:0.1.0  REGISTRY (push)  GPUS=8  NODES=2
 #   K8S=multi-node (a job folder of k8s/: trainjob, trainjob-single, multi-node, single-gpu, elastic)  TORCHX_FLAGS (e.g. --dryrun)
 #   TEST_WORKERS=2 SLOW_WORKERS=3 (pytest processes of make test, make test-slow)
@@ -30,7 +30,11 @@ BUILD ?= --build
 DATA_NAME := $(if $(wildcard $(DATA)/train.json),shards,imagefolder)
 DATA_ARGS := $(if $(DATA),data.name=$(DATA_NAME) data.dir=$(DATA))
 
-.PHONY: venv tools run-local test test-slow test-all test-gpu container-test lint bench image push compose-up k8s-storage k8s-apply k8s-checkov slurm-submit torchx-k8s slurm-up scorecard clean
+.PHONY: help venv tools run-local test test-slow test-all test-gpu container-test lint bench image push compose-up k8s-storage k8s-apply k8s-checkov slurm-submit torchx-k8s slurm-up scorecard clean
+
+help: ## this list
+	@echo "make TARGET [VAR=value ...]; the variables are at the top of the Makefile"
+	@awk -F':.*## ' '/^[a-z0-9-]+:.*## /{printf "  %-15s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -38,7 +42,7 @@ $(BIN)/.installed: pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev,launchers]"
 	touch $@
 
-venv: $(BIN)/.installed
+venv: $(BIN)/.installed ## the venv (.venv): the package, its test and launcher extras
 
 # The cluster targets' own small venv (PyYAML, TorchX and the Kubernetes client; no torch)
 $(TOOLS)/.installed: constraints.txt
@@ -46,7 +50,7 @@ $(TOOLS)/.installed: constraints.txt
 	$(TOOLS)/python -m pip install -q -c constraints.txt pyyaml "torchx[kubernetes]==0.7.0" "urllib3>=1.26,<1.27"
 	touch $@
 
-tools: $(TOOLS)/.installed
+tools: $(TOOLS)/.installed ## the cluster targets' small venv (.venv-tools): PyYAML, TorchX, the Kubernetes client
 
 # checkov, the policy scanner the pod templates are tested with (its own venv: it pins much)
 CHECKOV := .venv-checkov/bin/checkov
@@ -54,27 +58,27 @@ $(CHECKOV):
 	$(PYTHON) -m venv .venv-checkov
 	.venv-checkov/bin/python -m pip install -q checkov==3.3.30
 
-## Train here: torchrun with one process per visible GPU (or 2 CPU processes), checkpoints in ./checkpoints
-run-local: venv
-	$(BIN)/trainer launch --nproc-per-node $(NPROC) --config $(CONFIG) $(DATA_ARGS) $(ARGS)
+# Train here: torchrun with one process per visible GPU (or 2 CPU processes), checkpoints in ./checkpoints
+run-local: venv ## train here: a job that fits this machine (CONFIG=FILE picks one), checkpoints in ./checkpoints
+	$(BIN)/trainer launch --nproc-per-node $(NPROC) --config $(if $(call given,CONFIG),$(CONFIG),auto) $(DATA_ARGS) $(ARGS)
 
-## The fast suite (minutes); test-slow: multi-process, faults, Slurm, TorchX; test-all: both;
-## test-gpu: the GPU suite (resume matrix and faults on CUDA; two GPUs, data in GPU_DATA=.devdata)
-test: venv
+# The fast suite (minutes); test-slow: multi-process, faults, Slurm, TorchX; test-all: both;
+# test-gpu: the GPU suite (resume matrix and faults on CUDA; two GPUs, data in GPU_DATA=.devdata)
+test: venv ## the fast test suite (minutes, no GPU, no network)
 	$(BIN)/python -m pytest -q -m "not slow and not gpu and not container" -n $(TEST_WORKERS) --durations=10
 
-## (SLOW_WORKERS side by side: most slow tests wait on timeouts, links and Slurm; each test goes to
-## the next free worker, but those of test_slurm.py, which share the one-node cluster, stay on one
-## (tests/conftest.py); every bed of network-namespace hosts is a test's own; then a check that no
-## bed or process of one is left)
-test-slow: venv $(CHECKOV)
+# (SLOW_WORKERS side by side: most slow tests wait on timeouts, links and Slurm; each test goes to
+# the next free worker, but those of test_slurm.py, which share the one-node cluster, stay on one
+# (tests/conftest.py); every bed of network-namespace hosts is a test's own; then a check that no
+# bed or process of one is left)
+test-slow: venv $(CHECKOV) ## the long tests: torchrun, faults, Slurm, TorchX, network-namespace hosts (root)
 	$(BIN)/python -m pytest -q -m "slow and not gpu and not container" -n $(SLOW_WORKERS) --dist loadgroup --durations=10
 	$(BIN)/python tests/hosts.py --check
 
-test-all: venv $(CHECKOV)
+test-all: venv $(CHECKOV) ## both suites in one pytest
 	$(BIN)/python -m pytest -q -m "not gpu"
 
-test-gpu: venv
+test-gpu: venv ## the GPU suite (resume matrix and faults on CUDA)
 	$(BIN)/python -m pytest -q -m gpu tests/test_gpu.py
 
 $(BIN)/podman-compose: $(BIN)/.installed
@@ -86,27 +90,27 @@ $(BIN)/podman-compose: $(BIN)/.installed
 	PIP_CONSTRAINT=$(CURDIR)/.venv-compose-v1/build-constraints.txt .venv-compose-v1/bin/pip install -q docker-compose==1.29.2 \
 		docker==6.1.3 requests==2.31.0
 
-## The codebase's scorecard: code lines, statements, long functions, import cycles, upward arrows,
-## long lines, fixed sleeps in tests (tests/scorecard.py says how each is counted)
-scorecard:
+# The codebase's scorecard: code lines, statements, long functions, import cycles, upward arrows,
+# long lines, fixed sleeps in tests (tests/scorecard.py says how each is counted)
+scorecard: ## the codebase's scorecard (code lines, long functions, import cycles ...)
 	$(PYTHON) tests/scorecard.py
 
-lint: venv
+lint: venv ## ruff, hadolint and shellcheck
 	$(BIN)/ruff check trainer tests k8s
 	$(BIN)/hadolint Dockerfile
 	$(BIN)/shellcheck -x slurm/*.sh tests/slurm/*.sh tests/container/*.sh bench/*.sh .ci/run
 
-## GPU benchmark: the article's loop beside this trainer (run it on a GPU machine)
-bench: venv
+# GPU benchmark: the article's loop beside this trainer (run it on a GPU machine)
+bench: venv ## GPU benchmarks (ARGS="--suite NAME"; see BENCHMARKS.md)
 	$(BIN)/trainer bench $(ARGS)
 
-image:
+image: ## build the image IMAGE with ENGINE
 	$(ENGINE) build -t $(IMAGE) .
 
-## Publish the image for a cluster: tag IMAGE as REGISTRY/cluster-trainer:VERSION, push it, print
-## both references (by tag, and by digest, the registry's own: the one to deploy). PUSH_FLAGS adds engine options
-## (e.g. --tls-verify=false for a plain-HTTP registry under podman).
-push:
+# Publish the image for a cluster: tag IMAGE as REGISTRY/cluster-trainer:VERSION, push it, print
+# both references (by tag, and by digest, the registry's own: the one to deploy). PUSH_FLAGS adds engine options
+# (e.g. --tls-verify=false for a plain-HTTP registry under podman).
+push: ## push IMAGE to REGISTRY; prints the reference by digest to deploy
 	@case "$(REGISTRY)" in ""|*://*|*/) echo "error: make push needs REGISTRY=HOST[:PORT][/PATH] without scheme or trailing slash, e.g. REGISTRY=ghcr.io/you" >&2; exit 2;; esac
 	$(ENGINE) tag $(IMAGE) $(REGISTRY)/cluster-trainer:$(VERSION)
 	@ref=$(REGISTRY)/cluster-trainer:$(VERSION); log=$$(mktemp); \
@@ -119,25 +123,25 @@ push:
 		echo "pushed $$ref"; echo "by digest: $(REGISTRY)/cluster-trainer@$$digest"; \
 		echo "deploy it: make k8s-apply IMAGE=$(REGISTRY)/cluster-trainer@$$digest"
 
-## docker compose up with ./data (or DATA=folder of the CIFAR-10 tarballs or class folders) and
-## CHECKPOINTS made first as you (an engine makes missing ones root's), the containers run as you;
-## BUILD= uses IMAGE as it is
-compose-up:
+# docker compose up with ./data (or DATA=folder of the CIFAR-10 tarballs or class folders) and
+# CHECKPOINTS made first as you (an engine makes missing ones root's), the containers run as you;
+# BUILD= uses IMAGE as it is
+compose-up: ## docker compose up: train in the image on this workstation's GPUs
 	mkdir -p $(or $(DATA),data) $(CHECKPOINTS)
 	IMAGE=$(IMAGE) NPROC_PER_NODE=$(NPROC) CONFIG=$(CONFIG) CHECKPOINTS=$(CHECKPOINTS) \
 		USER_ID=$${USER_ID:-$$(id -u)} GROUP_ID=$${GROUP_ID:-$$(id -g)} \
 		$(if $(DATA),DATA=$(DATA) DATA_NAME=$(DATA_NAME)) $(COMPOSE) up $(BUILD)
 
-## The image built and run by a real engine (podman here and in CI; the base built locally)
-## (podman-compose and docker-compose 1.29.2, the v1 client, through podman's Docker API, run
-## docker-compose.yml; v1 in its own venv: its PyYAML<6 clashes with ours and needs Cython<3 to
-## build, and it needs the docker-py and requests of its day)
-container-test: $(BIN)/podman-compose .venv-compose-v1/bin/docker-compose
+# The image built and run by a real engine (podman here and in CI; the base built locally)
+# (podman-compose and docker-compose 1.29.2, the v1 client, through podman's Docker API, run
+# docker-compose.yml; v1 in its own venv: its PyYAML<6 clashes with ours and needs Cython<3 to
+# build, and it needs the docker-py and requests of its day)
+container-test: $(BIN)/podman-compose .venv-compose-v1/bin/docker-compose ## the image built and run by a real engine (podman), compose files included
 	CONTAINERS_CONF=$(CURDIR)/tests/container/containers.conf bash tests/container/base.sh
 	$(BIN)/python -m pytest -q -m container tests/test_container.py
 
-## The PVCs, once, apart from the jobs (deleting a job keeps them); STORAGE_CLASS: a ReadWriteMany class
-k8s-storage: tools
+# The PVCs, once, apart from the jobs (deleting a job keeps them); STORAGE_CLASS: a ReadWriteMany class
+k8s-storage: tools ## the PVCs for data and checkpoints, once (STORAGE_CLASS, NAMESPACE)
 	manifest=$$(kubectl kustomize k8s/storage | $(TOOLS)/python k8s/render.py $(if $(STORAGE_CLASS),--storage-class '$(STORAGE_CLASS)') $(if $(NAMESPACE),--namespace '$(NAMESPACE)')) \
 		&& echo "$$manifest" | kubectl apply -f -
 
@@ -148,26 +152,26 @@ given = $(filter command line environment,$(origin $(1)))
 K8S_SIZE = $(if $(filter single-gpu,$(K8S)),$(if $(call given,NODES),--nodes '$(NODES)') $(if $(call given,GPUS),--gpus '$(GPUS)'),--nodes '$(NODES)' --gpus '$(GPUS)')
 K8S_JOBS := $(filter-out storage,$(notdir $(patsubst %/,%,$(dir $(wildcard k8s/*/kustomization.yaml)))))
 check-k8s = case " $(K8S_JOBS) " in *" $(K8S) "*) ;; *) echo "error: K8S=$(K8S) is not a job folder of k8s/; use one of: $(K8S_JOBS)" >&2; exit 2;; esac
-k8s-apply: tools
+k8s-apply: tools ## apply the job folder K8S of k8s/ with the pushed IMAGE
 	@$(check-k8s)
 	manifest=$$(kubectl kustomize k8s/$(K8S) | $(TOOLS)/python k8s/render.py --image '$(IMAGE)' $(K8S_SIZE) $(if $(NAMESPACE),--namespace '$(NAMESPACE)') \
 		$(if $(call given,CONFIG),--config '$(CONFIG)') $(if $(ARGS),--args '$(ARGS)')) && echo "$$manifest" | kubectl apply -f -
 
-## checkov on what ships: every pod template of K8S as the Job checkov knows, with the manifest's waivers
-k8s-checkov: $(CHECKOV)
+# checkov on what ships: every pod template of K8S as the Job checkov knows, with the manifest's waivers
+k8s-checkov: $(CHECKOV) ## checkov on the pod templates of K8S
 	@$(check-k8s)
 	@jobs=$$(mktemp --suffix=.yaml); kubectl kustomize k8s/$(K8S) | $(PYTHON) k8s/render.py --as-jobs > $$jobs \
 		&& $(CHECKOV) -f $$jobs --framework kubernetes --skip-download --compact --quiet; rc=$$?; rm -f $$jobs; exit $$rc
 
 whole = case "$($(1))" in ""|*[!0-9]*|0*) echo "error: $(1)='$($(1))' is not a whole number of at least 1; pass e.g. $(1)=$(2)" >&2; exit 2;; esac
-slurm-submit:
+slurm-submit: ## sbatch slurm/ddp.sh on NODES nodes of GPUS GPUs
 	@$(call whole,NODES,2); $(call whole,GPUS,8)
 	@test -f '$(CONFIG)' || { echo "error: CONFIG=$(CONFIG) does not exist; pass a file of configs/ (e.g. CONFIG=configs/default.yaml)" >&2; exit 2; }
 	CONFIG=$(CONFIG) sbatch --nodes=$(NODES) --gpus-per-node=$(GPUS) slurm/ddp.sh $(ARGS)
 
-## TorchX's Volcano job on the cluster of your kubeconfig, with the pushed IMAGE, in NAMESPACE (else
-## kubectl's current one, as k8s-storage and k8s-apply); TORCHX_FLAGS=--dryrun prints it instead
-torchx-k8s: tools
+# TorchX's Volcano job on the cluster of your kubeconfig, with the pushed IMAGE, in NAMESPACE (else
+# kubectl's current one, as k8s-storage and k8s-apply); TORCHX_FLAGS=--dryrun prints it instead
+torchx-k8s: tools ## TorchX's job on the Kubernetes cluster of your kubeconfig
 	@$(call whole,NODES,2); $(call whole,GPUS,8)
 	@$(TOOLS)/python k8s/render.py --check-image '$(IMAGE)'
 	@kubectl config current-context >/dev/null 2>&1 || { echo "error: no Kubernetes cluster configured (kubectl config current-context fails); set KUBECONFIG or write ~/.kube/config, then run make torchx-k8s again" >&2; exit 2; }
@@ -176,9 +180,9 @@ torchx-k8s: tools
 	$(TOOLS)/torchx run $(TORCHX_FLAGS) --workspace "" -s kubernetes -cfg namespace=$$ns trainer/components.py:train_ddp --image $(IMAGE) \
 		--j $(NODES)x$(GPUS) --gpu $(GPUS) --config $(CONFIG) --checkpoint_mount cifar-checkpoints --data_mount cifar-data -- $(ARGS)
 
-## Start a one-node Slurm cluster here (root; Debian's slurm-wlm and munge)
-slurm-up:
+# Start a one-node Slurm cluster here (root; Debian's slurm-wlm and munge)
+slurm-up: ## start a one-node Slurm cluster here (root; slurm-wlm and munge)
 	bash tests/slurm/start-cluster.sh
 
-clean:
+clean: ## remove caches and build leftovers
 	rm -rf .pytest_cache .ruff_cache build *.egg-info

@@ -1109,3 +1109,40 @@ def test_make_takes_shards_or_an_image_folder_as_data(tmp_path):
         local = run(["make", "-n", "run-local", f"DATA={data}"], cwd=ROOT).stdout
         compose = run(["make", "-n", "compose-up", f"DATA={data}"], cwd=ROOT).stdout
         assert f"data.name={name} data.dir={data}" in local and f"DATA={data} DATA_NAME={name} " in compose, (local, compose)
+
+
+@pytest.mark.slow
+def test_make_run_local_from_a_fresh_clone_offline_picks_a_cpu_job_on_the_synthetic_set(tmp_path):
+    """The README's first command on a machine with no GPU and no internet: `make run-local` in a
+    fresh clone says which job it picked and why, that CIFAR-10 could not be downloaded and what
+    trains instead (with the line for real data), then trains with no torchrun banner, exit 0."""
+    clone = tmp_path / "clone"
+    run(["git", "clone", "-q", str(ROOT), str(clone)])
+    venv = ROOT / ".venv"  # the suite's own venv: a fresh one costs minutes (.ci/run builds it from a fresh clone)
+    offline = {"https_proxy": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9", "CUDA_VISIBLE_DEVICES": "",
+               "PYTHONPATH": str(clone)}
+    e = env(**offline)
+    e.pop("OMP_NUM_THREADS")  # as on a fresh machine: torchrun would print its banner about it
+    p = subprocess.run(["make", "run-local", f"VENV={venv}", "-o", f"{venv}/bin/.installed", "ARGS=train.epochs=1 data.synthetic_train_size=4096"],
+                       cwd=clone, env=e, capture_output=True, text=True, timeout=600)
+    err = p.stderr.splitlines()
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    assert err[0].startswith("no GPU here: configs/cpu.yaml, a small network for 4 epochs of CIFAR-10"), err[:3]
+    assert err[1].startswith("CIFAR-10 could not be downloaded (") and err[1].endswith(
+        "training on the synthetic set instead (generated images: its accuracy says nothing of CIFAR-10). "
+        "With a copy of CIFAR-10 here: make run-local DATA=/path/to/cifar10"), err[:3]
+    assert "synthetic set (generated, not real images): 4,096 train" in p.stdout + p.stderr
+    assert "OMP_NUM_THREADS" not in p.stdout + p.stderr
+    assert (clone / "checkpoints" / "cpu" / "curves.png").exists()
+
+
+def test_make_help_lists_every_target_with_one_line():
+    out = run(["make", "help"], cwd=ROOT).stdout.splitlines()
+    listed = {line.split()[0] for line in out[1:]}
+    phony = set(re.search(r"^\.PHONY: (.*)$", (ROOT / "Makefile").read_text(), re.M).group(1).split())
+    assert listed == phony and all(len(line.split(None, 1)) == 2 for line in out[1:]), out
+
+
+def test_make_run_local_names_the_config_only_when_given():
+    assert "--config auto " in run(["make", "-n", "run-local"], cwd=ROOT).stdout
+    assert "--config configs/fast.yaml " in run(["make", "-n", "run-local", "CONFIG=configs/fast.yaml"], cwd=ROOT).stdout

@@ -221,9 +221,16 @@ def launch(nproc_per_node, max_restarts, config_file, overrides):
     there yet, then run torchrun -m trainer train with the same arguments, supervised (exit codes:
     see trainer/contract.py). Only this first decode imports torch here: on a restart the launcher
     costs a fraction of a second, and the workers make every other check (a bad input exits 2
-    once, from rank 0, with no restart)."""
-    cfg = load_config(config_file, overrides)
+    once, from rank 0, with no restart).
+
+    ``--config auto`` (make run-local's default) picks a job that fits this machine, says which on
+    the first line, and trains on the synthetic set where CIFAR-10 cannot be downloaded."""
     gpus = gpu_count()
+    picked = config_file == "auto"
+    if picked:
+        config_file = pick_config(gpus)
+    overrides = list(overrides)
+    cfg = load_config(config_file, overrides)
     if nproc_per_node == "auto":
         nproc_per_node = str(gpus or 2)
     if not nproc_per_node.isdigit() or int(nproc_per_node) < 1:
@@ -234,11 +241,32 @@ def launch(nproc_per_node, max_restarts, config_file, overrides):
 
     plan = datasets.plan(cfg, None, int(nproc_per_node))  # data.image_size resolved, as the workers will
     if not plan.stream and not datasets.ready(cfg):
-        datasets.load(cfg)  # decoded once, into the uint8 cache that the workers then read
+        try:
+            datasets.load(cfg)  # decoded once, into the uint8 cache that the workers then read
+        except datasets.NotDownloaded as e:
+            if not picked:  # the user named this config: its data or nothing
+                raise
+            overrides.append("data.name=synthetic")
+            click.echo(f"CIFAR-10 could not be downloaded ({e.reason}): training on the synthetic set instead (generated images: "
+                       "its accuracy says nothing of CIFAR-10). With a copy of CIFAR-10 here: make run-local DATA=/path/to/cifar10", err=True)
+            datasets.load(load_config(config_file, overrides))
+    # torchrun sets one thread per process and prints four lines about it; share the cores instead
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // int(nproc_per_node))))
     args = ["--standalone", f"--nproc-per-node={nproc_per_node}", f"--max-restarts={max_restarts}", "-m", "trainer", "train"]
-    args += (["--config", config_file] if config_file else []) + list(overrides)
+    args += (["--config", config_file] if config_file else []) + overrides
     click.echo("torchrun " + " ".join(args), err=True)
     sys.exit(_supervised(args))
+
+
+def pick_config(gpus: int) -> str:
+    """The job make run-local runs where no CONFIG is given, said on its first line."""
+    if gpus:
+        click.echo(f"{gpus} GPU(s) here: configs/default.yaml, the default recipe (ResNet-18, 30 epochs of CIFAR-10); "
+                   "CONFIG=FILE runs another", err=True)
+        return "configs/default.yaml"
+    click.echo("no GPU here: configs/cpu.yaml, a small network for 4 epochs of CIFAR-10 (about a minute on 2 cores; the default "
+               "recipe is a GPU job); CONFIG=FILE runs another", err=True)
+    return "configs/cpu.yaml"
 
 
 def _supervised(torchrun_args: list[str]) -> int:

@@ -154,6 +154,14 @@ def _cached(cfg: Config, key: str, build) -> tuple[Split, Split]:
 # cifar10
 
 
+class NotDownloaded(ConfigError):
+    """CIFAR-10 is not in data.dir and could not be downloaded (``reason``: why, in one line)."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
 def _cifar10(cfg: Config) -> tuple[Split, Split]:
     import torch
     import torchvision
@@ -168,7 +176,7 @@ def _cifar10(cfg: Config) -> tuple[Split, Split]:
                     ds = torchvision.datasets.CIFAR10(str(root), train=train, download=cfg.data.download and _writable(root))
                 except Exception as e:  # noqa: BLE001 - offline, read-only, checksum failure...
                     reason = one_line(e, 120)
-                    raise ConfigError(
+                    raise NotDownloaded(reason,
                         f"CIFAR-10 is not in data.dir={cfg.data.dir} and could not be downloaded ({reason}); put "
                         f"cifar-10-python.tar.gz there, or use data.name=imagefolder data.dir=PATH (a folder of train/ and test/ class folders or their .tar.gz; "
                         f"make run-local DATA=PATH)"

@@ -126,9 +126,9 @@ def memory(shards: Path, tmp: Path) -> list[dict]:
 
 
 def trainer_run(name: str, args: list[str], out: Path) -> dict:
-    """One `trainer train` run of two epochs; the second's steady images/s (from its first log
-    line to its last) and data share of a step (workers started, the model compiled), and the peak
-    RSS."""
+    """One `trainer train` run of two epochs; the steady images/s of the second half of the second
+    epoch (the workers' prefetched batches drawn, the model compiled), the data share of a step in
+    the second epoch, and the peak RSS."""
     ck = out / f"ck-{name}"
     t0 = time.time()
     # a wrapper process, so that the peak RSS read is this run's (its largest process, workers included)
@@ -138,6 +138,7 @@ def trainer_run(name: str, args: list[str], out: Path) -> dict:
     (out / f"{name}.log").write_text(p.stdout + p.stderr)
     rows = [json.loads(line) for line in (ck / "metrics.jsonl").read_text().splitlines()] if (ck / "metrics.jsonl").exists() else []
     logs = [r for r in rows if r.get("event") == "log" and r.get("epoch") == 1]
+    logs = logs[len(logs) // 2 :]  # an epoch starts on up to workers x 2 batches read ahead: not the steady pace
     rate = (logs[-1]["step"] - logs[0]["step"]) * 256 / (logs[-1]["time"] - logs[0]["time"]) if len(logs) > 1 else None
     epoch = next((r for r in rows if r.get("event") == "epoch" and r.get("epoch") == 1), {})
     share = epoch.get("data_ms_per_step", 0) / max(1e-9, epoch.get("data_ms_per_step", 0) + epoch.get("step_ms_per_step", 0)) if epoch else None
@@ -165,8 +166,10 @@ def reference(root: Path, steps: int) -> dict:
         while True:
             yield from loader
 
+    # steady: after the batches the workers read ahead while the model compiled (workers x 4)
+    skip = workers * 4 + 10
     it, times = batches(), []
-    for i in range(steps):
+    for i in range(skip + steps):
         x, y = next(it)
         x, y = x.cuda(non_blocking=True).contiguous(memory_format=torch.channels_last), y.cuda(non_blocking=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -174,10 +177,10 @@ def reference(root: Path, steps: int) -> dict:
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if i % 10 == 0:
+        if i >= skip and i % 10 == 0:
             torch.cuda.synchronize()
             times.append(time.perf_counter())
-    rate = 10 * 256 * (len(times) - 2) / (times[-1] - times[1])  # steady: after the first ten steps
+    rate = 10 * 256 * (len(times) - 1) / (times[-1] - times[0])
     return {"case": "reference-loader", "images_per_s": round(rate), "workers": workers}
 
 
@@ -194,13 +197,14 @@ def loader_alone(shards: Path, root: Path, steps: int) -> list[dict]:
     from trainer.runtime import setup, teardown
     from trainer.stream import Streamed, StreamLoader
 
-    def rate(batches) -> float:
+    def rate(batches, ahead: int) -> float:
+        """Images/s after the ``ahead`` batches the workers read before the first was asked for."""
         times = []
-        for i, _x in zip(range(steps), batches, strict=False):
-            if i % 10 == 0:
+        for i, _x in zip(range(ahead + 10 + steps), batches, strict=False):
+            if i >= ahead + 10 and i % 10 == 0:
                 torch.cuda.synchronize()
                 times.append(time.perf_counter())
-        return 10 * 256 * (len(times) - 2) / (times[-1] - times[1])
+        return 10 * 256 * (len(times) - 1) / (times[-1] - times[0])
 
     rows = []
     for decode in ("cpu", "gpu"):
@@ -210,7 +214,7 @@ def loader_alone(shards: Path, root: Path, steps: int) -> list[dict]:
         try:
             loader = StreamLoader(Streamed(shards, "train"), cfg, rt, 256, Augment(cfg, rt, True, 256, 1), decode == "gpu")
             batches = (x for e in range(1000) for x, _, _ in loader.epoch(e))
-            rows.append({"case": f"ours-{decode}-decode-loader-alone", "images_per_s": round(rate(batches)),
+            rows.append({"case": f"ours-{decode}-decode-loader-alone", "images_per_s": round(rate(batches, 2 * loader.loader_args["num_workers"])),
                          "workers": loader.loader_args["num_workers"]})
         finally:
             teardown()
@@ -219,7 +223,7 @@ def loader_alone(shards: Path, root: Path, steps: int) -> list[dict]:
     loader = torch.utils.data.DataLoader(torchvision.datasets.ImageFolder(str(root / "train"), tf), batch_size=256, shuffle=True,
                                          num_workers=workers, pin_memory=True, drop_last=True, persistent_workers=True, prefetch_factor=4)
     batches = (x.cuda(non_blocking=True) for _ in range(1000) for x, _ in loader)
-    rows.append({"case": "reference-loader-alone", "images_per_s": round(rate(batches)), "workers": workers})
+    rows.append({"case": "reference-loader-alone", "images_per_s": round(rate(batches, 4 * workers)), "workers": workers})
     return rows
 
 
@@ -235,7 +239,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("out", type=Path)
     p.add_argument("--cifar", type=Path, required=True)
     p.add_argument("--images", type=int, default=25600)
-    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--steps", type=int, default=100, help="the reference loader's timed steps")
     p.add_argument("--photo", action="store_true", help="500x375 images of about 100 KB (default: 256 px, 12 KB)")
     a = p.parse_args(argv)
     for r in run(a.out, a.cifar, a.images, a.steps, a.photo):
@@ -255,7 +259,7 @@ def run(out: Path, cifar: Path, images: int = 25600, steps: int = 100, photo: bo
     subprocess.run([sys.executable, "-m", "trainer", "data", "--shards", str(shards), "data.name=imagefolder", f"data.dir={root}"], check=True)
     sized = json.loads((shards / "train.json").read_text())
     times16(shards, a.out / "x16")
-    steps = [f"train.max_steps={2 * a.steps}"]
+    steps = []  # two epochs of the set
     rows = [{"case": "set", "photo": photo, "images": a.images, "made_s": round(made, 1), "shard_bytes": sum(s["filesize"] for s in sized["shardlist"])}]
     cases = [("ours-shards-cpu-decode", ["data.name=shards", f"data.dir={shards}", "data.loader=stream", *steps]),
              ("ours-shards-gpu-decode", ["data.name=shards", f"data.dir={shards}", "data.loader=stream", "data.decode=gpu", *steps]),
@@ -270,7 +274,7 @@ def run(out: Path, cifar: Path, images: int = 25600, steps: int = 100, photo: bo
         print(json.dumps(rows[-1]), flush=True)
     rows.append(reference(root, a.steps))
     print(json.dumps(rows[-1]), flush=True)
-    for row in loader_alone(shards, root, max(a.steps, 60)):
+    for row in loader_alone(shards, root, 60):
         rows.append(row)
         print(json.dumps(row), flush=True)
     (a.out / "data-bench.json").write_text(json.dumps(rows, indent=1))
