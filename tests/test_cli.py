@@ -32,3 +32,14 @@ def test_help_and_usage_errors_do_not_import_torch(args, code):
     """torch takes seconds to import; `trainer --help`, `trainer config` and usage errors need none of it."""
     p = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, cwd=ROOT, env=env())
     assert f"torch imported: False exit: {code}" in p.stdout, p.stdout + p.stderr
+
+
+def test_train_help_shows_an_override_that_runs_and_points_at_explain(tmp_path):
+    from conftest import ROOT, run
+
+    text = run([sys.executable, "-m", "trainer", "train", "--help"]).stdout
+    example = next(line.strip() for line in text.splitlines() if line.strip().startswith("trainer train --config"))
+    assert "Every key, with its type, default and meaning: trainer config --explain" in text
+    (tmp_path / "configs").symlink_to(ROOT / "configs")  # as written, from a checkout's root (a fresh one: no checkpoints)
+    out = run([sys.executable, "-m", "trainer", *example.split()[1:]], cwd=tmp_path)
+    assert "done: step 32" in out.stdout + out.stderr and (tmp_path / "checkpoints" / "smoke" / "step-32").is_dir()

@@ -101,3 +101,19 @@ def test_a_slowed_rank_is_named_on_the_progress_line_and_a_clean_run_names_none(
     assert all(r["slowest_rank"] == 1 and r["own_ms_per_rank"][1] > 50 for r in logs), logs[:2]
     clean = run(torchrun_cmd(2, *job, "train.log_every=8", f"checkpoint.dir={tmp_path / 'clean'}"))
     assert "straggler" not in clean.stdout, clean.stdout[-2000:]
+
+
+def test_curves_draw_every_log_line_once_and_whole_epoch_ticks_under_a_title():
+    from trainer.metrics import draw_curves
+
+    logs = [{"step": k, "loss": 2.0 - k / 100, "images_per_s": 1000.0 + k} for k in (10, 20, 30, 20, 30, 40)]  # resumed at 20
+    epochs = [{"epoch": 1, "step": 25, "train_loss": 1.8, "test_acc": 0.41}, {"epoch": 2, "step": 50, "train_loss": 1.6, "test_acc": 0.55}]
+    fig = draw_curves(logs, epochs, "tinynet on synthetic set: ddp, 2 processes on cpu")
+    loss, speed, acc = fig.axes
+    assert list(loss.lines[0].get_xdata()) == [10, 20, 30, 40] and list(speed.lines[0].get_ydata()) == [1010.0, 1020.0, 1030.0, 1040.0]
+    assert list(acc.lines[0].get_xdata()) == [1, 2] and [round(a, 6) for a in acc.lines[0].get_ydata()] == [41.0, 55.0]
+    fig.canvas.draw()
+    ticks = [t for t in acc.get_xticks() if acc.get_xlim()[0] <= t <= acc.get_xlim()[1]]
+    assert ticks and all(float(t).is_integer() for t in ticks), ticks
+    assert fig._suptitle.get_text() == "tinynet on synthetic set: ddp, 2 processes on cpu"
+    assert draw_curves([], [], "") is None

@@ -89,7 +89,13 @@ def main() -> None:
 @main.command()
 @config_options
 def train(config_file, overrides):
-    """Train; resumes by itself from the newest complete checkpoint in checkpoint.dir."""
+    """Train; resumes by itself from the newest complete checkpoint in checkpoint.dir.
+
+    \b
+    Any key of the config is set by KEY=VALUE after the options, e.g.:
+      trainer train --config configs/smoke.yaml train.epochs=1 optim.lr=0.1
+    Every key, with its type, default and meaning: trainer config --explain
+    """
     started = time.perf_counter()
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: die with torchrun, never train on orphaned
         die_with_parent()

@@ -292,6 +292,8 @@ class Trainer:
         self.save(sync=True)
         self.r.checkpointer.wait()
         barrier(self.rt)
-        if self.cfg.train.plot and plot_curves(self.r.metrics, self.r.root / "curves.png"):
+        procs = f"{self.rt.world_size} process{'es' if self.rt.world_size > 1 else ''}"
+        title = f"{self.cfg.model.name} on {self.r.data_plan.source}: {self.rt.strategy}, {procs} on {self.rt.device.type}, batch {self.cfg.train.batch_size}"
+        if self.cfg.train.plot and plot_curves(self.r.metrics, self.r.root / "curves.png", title):
             self.r.say.line(f"wrote {self.r.root / 'curves.png'}")
         self.r.say.line(f"done: step {self.state.step}, checkpoints in {self.r.root}")

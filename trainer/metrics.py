@@ -354,31 +354,56 @@ class RunLog:
         return [r for r in rows if r.get("event") == kind]
 
 
-def plot_curves(log: RunLog, png: Path) -> Path | None:
-    """Train loss and test accuracy per epoch (the last record of each epoch wins after a resume)."""
+def plot_curves(log: RunLog, png: Path, title: str = "") -> Path | None:
+    """curves.png in the run folder (rank 0), from metrics.jsonl: see :func:`draw_curves`."""
     if not log.enabled:
         return None
-    by_epoch = {r["epoch"]: r for r in log.records("epoch")}
-    if not by_epoch:
+    fig = draw_curves(log.records("log"), log.records("epoch"), title)
+    if fig is None:
+        return None
+    import matplotlib.pyplot as plt
+
+    with replacing(png) as tmp:
+        fig.savefig(tmp, dpi=100, format="png")
+    plt.close(fig)
+    return png
+
+
+def draw_curves(logs: list[dict], epochs: list[dict], title: str):
+    """Three panels: the loss at every log line (and each epoch's mean), the images/s of each log
+    window, and the test accuracy per epoch on whole-epoch ticks; ``title`` above. After a resume,
+    the last record of a step (or an epoch) wins, so each curve is one line. None without records."""
+    by_epoch = {r["epoch"]: r for r in epochs}
+    by_step = {r["step"]: r for r in logs}
+    if not by_epoch and not by_step:
         return None
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    epochs = sorted(by_epoch)
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    losses = [(e, by_epoch[e]["train_loss"]) for e in epochs if by_epoch[e].get("train_loss") is not None]
-    ax1.plot([a for a, _ in losses], [b for _, b in losses], marker="o")
-    ax1.set(xlabel="epoch", ylabel="train loss", title="Training loss")
-    acc = [(e, by_epoch[e]["test_acc"]) for e in epochs if by_epoch[e].get("test_acc") is not None]
-    if acc:
-        ax2.plot([a for a, _ in acc], [100 * b for _, b in acc], marker="o", color="tab:green")
-    ax2.set(xlabel="epoch", ylabel="test accuracy (%)", title="Test accuracy")
-    for ax in (ax1, ax2):
+    fig, (loss, speed, acc) = plt.subplots(1, 3, figsize=(14, 4))
+    steps = sorted(by_step)
+    loss.plot(steps, [by_step[k]["loss"] for k in steps], lw=1, label="log line")
+    ends = [(r["step"], r["train_loss"]) for _, r in sorted(by_epoch.items()) if r.get("train_loss") is not None and "step" in r]
+    if ends:
+        loss.plot(*zip(*ends, strict=True), "o", color="tab:red", label="epoch mean")
+    loss.set(xlabel="step", ylabel="train loss", title="Training loss")
+    loss.legend(loc="upper right", fontsize="small")
+    speed.plot(steps, [by_step[k]["images_per_s"] for k in steps], lw=1, color="tab:purple")
+    speed.set(xlabel="step", ylabel="images/s", title="Throughput (each log window)")
+    speed.set_ylim(bottom=0)
+    tested = [(e, 100 * r["test_acc"]) for e, r in sorted(by_epoch.items()) if r.get("test_acc") is not None]
+    if tested:
+        acc.plot([e for e, _ in tested], [a for _, a in tested], marker="o", color="tab:green")  # epochs count from 1
+        for e, a in tested[-1:]:
+            acc.annotate(f"{a:.2f}%", (e, a), textcoords="offset points", xytext=(0, 6), ha="center")
+    acc.set(xlabel="epoch", ylabel="test accuracy (%)", title="Test accuracy")
+    acc.margins(y=0.15)  # room for the last figure's label
+    acc.xaxis.set_major_locator(MaxNLocator(integer=True))
+    for ax in (loss, speed, acc):
         ax.grid(alpha=0.3)
+    fig.suptitle(title)
     fig.tight_layout()
-    with replacing(png) as tmp:
-        fig.savefig(tmp, dpi=100, format="png")
-    plt.close(fig)
-    return png
+    return fig
