@@ -106,7 +106,7 @@ def test_dockerfile_is_hadolint_clean_pinned_and_non_root():
     assert re.search(r"COPY [^\n]*constraints\.txt", text) and "-c constraints.txt ." in text
     assert not re.search(r"torch==|torchvision==", text), "versions live in constraints.txt alone"
     pins = dict(line.split("==") for line in (ROOT / "constraints.txt").read_text().split() if "==" in line)
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "launchers.md").read_text()
     assert f"torch {pins['torch']}" in readme and f"torchvision {pins['torchvision']}" in readme
     assert re.search(r"^USER [1-9]\d*:", text, re.M), "a numeric non-root user"
     assert 'VOLUME ["/data", "/checkpoints"]' in text
@@ -129,7 +129,7 @@ def test_compose_files_are_valid_and_only_the_override_asks_for_gpus():
     assert device == {"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}
     assert [s for s in base["services"].values() if "build" in s] == [data], "one build for both services"
     assert train["pull_policy"] == "never" and train["image"] == data["image"]
-    assert train["shm_size"] == "${SHM_SIZE:-8g}" and "8g" in (ROOT / "README.md").read_text()
+    assert train["shm_size"] == "${SHM_SIZE:-8g}" and "8g" in (ROOT / "docs" / "launchers.md").read_text()
     assert "${DATA:-./data}:/data:ro" in train["volumes"] and "${CHECKPOINTS:-./checkpoints}:/checkpoints" in train["volumes"]
     assert train["user"] == "${USER_ID:-1000}:${GROUP_ID:-1000}"
     assert "NPROC_PER_NODE" in train["environment"]
@@ -726,7 +726,7 @@ def test_torchx_trains_from_shards_on_its_data_dir(tmp_path):
 
 @pytest.mark.slow
 def test_torchx_local_from_the_tools_venv_runs_the_repositorys_venv_or_says_what_to_install(tools_venv, tmp_path):
-    """The README's TorchX block in order: `make tools` (TorchX, no torch), then a local run. With
+    """docs/launchers.md's TorchX block in order: `make tools` (TorchX, no torch), then a local run. With
     the repository's .venv the job runs in it; in a clone without one, the job stops in one line
     that says what to install (no ModuleNotFoundError, no 'python: not found')."""
     local = ["run", "--workspace", "", "-s", "local_cwd", "trainer/components.py:train_ddp", "--j", "1x1", "--gpu", "0", "--config",
@@ -788,8 +788,8 @@ def test_torchx_kubernetes_dryrun_is_a_valid_volcano_job():
 
 
 def readme_torchx_commands() -> list[tuple[dict, list[str]]]:
-    """The README's `torchx run` commands: (their environment assignments, their arguments)."""
-    block = (ROOT / "README.md").read_text().split("### Kubernetes and Slurm: TorchX", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    """docs/launchers.md's `torchx run` commands: (their environment assignments, their arguments)."""
+    block = (ROOT / "docs" / "launchers.md").read_text().split("## Kubernetes and Slurm: TorchX", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
     commands = []
     for cmd in block.replace("\\\n", " ").splitlines():
         words = shlex.split(cmd.split("#", 1)[0])

@@ -119,7 +119,7 @@ def train_ddp(
     Args:
         script_args: trainer overrides, ``key=value`` (after ``--``)
         image: container image with the trainer installed (the repository's Dockerfile, pushed
-            to your registry: README, Publish your image)
+            to your registry: docs/launchers.md, Publish your image)
         j: {nnodes}x{nproc_per_node}, e.g. 2x8; nproc_per_node must not exceed the GPUs per node.
             Elastic: {min}:{max}x{nproc_per_node}, e.g. 2:4x8: torchrun forms the group with min to
             max nodes (TorchX 0.7's schedulers restart the whole job when a node fails, so a
