@@ -79,9 +79,25 @@ def test_a_rank_persistently_slower_than_the_median_is_named_and_noise_is_not():
         record, note = s.judge([20.0, 21.0, 44.0, 20.5])
         assert note == "" and record["slowest_rank"] == 2 and record["own_ms_per_rank"][2] == 44.0
     record, note = s.judge([20.0, 21.0, 44.0, 20.5])  # the third interval in a row
-    assert note == "straggler: rank 2 (node2) 2.1x the median for 3 intervals" and record["stragglers"] == [2]
+    assert note == "straggler: rank 2 (node2) 2.1x the others' median for 3 intervals" and record["stragglers"] == [2]
     assert s.judge([20.0, 21.0, 20.0, 20.5])[1] == ""  # back in line: the count starts again
     assert s.judge([2.0, 2.1, 5.5, 2.0])[1] == "" and s.judge([2.0, 2.1, 5.5, 2.0])[1] == "" and s.judge([2.0, 2.1, 5.5, 2.0])[1] == ""  # 3.5 ms: noise
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_rank_twice_as_slow_as_its_peers_is_named_at_two_and_three_ranks(world):
+    from trainer.metrics import Stragglers
+
+    class Ranks:
+        collectives, world_size = False, world
+
+    s = Stragglers(Ranks(), [(f"node{r}", []) for r in range(world)])
+    times = [40.0] * world
+    times[world - 1] = 80.0  # twice its peers: with two ranks, 1.33x the mean of both
+    notes = [s.judge(times)[1] for _ in range(3)]
+    assert notes[:2] == ["", ""] and notes[2] == f"straggler: rank {world - 1} (node{world - 1}) 2.0x the others' median for 3 intervals"
+    fast = Stragglers(Ranks(), [(f"node{r}", []) for r in range(world)])
+    assert [fast.judge([40.0, 52.0, 41.0][:world])[1] for _ in range(3)] == ["", "", ""]  # 1.3x: within bounds
 
 
 @pytest.mark.slow
@@ -96,7 +112,7 @@ def test_a_slowed_rank_is_named_on_the_progress_line_and_a_clean_run_names_none(
     job = ["train", *TINY, "train.epochs=2", "train.log_every=4", "train.plot=false"]
     slow = run(torchrun_cmd(2, *job, f"checkpoint.dir={tmp_path / 'slow'}"), env=env(TRAINER_FAULT="batch:slow=0.06", TRAINER_FAULT_RANK="1"))
     named = [x for x in slow.stdout.splitlines() if "straggler: rank 1 (" in x]
-    assert named and "the median for 3 intervals" in named[0], slow.stdout[-2000:]
+    assert named and "the others' median for 3 intervals" in named[0], slow.stdout[-2000:]
     logs = [json.loads(x) for x in (tmp_path / "slow" / "metrics.jsonl").read_text().splitlines() if '"event": "log"' in x]
     assert all(r["slowest_rank"] == 1 and r["own_ms_per_rank"][1] > 50 for r in logs), logs[:2]
     clean = run(torchrun_cmd(2, *job, "train.log_every=8", f"checkpoint.dir={tmp_path / 'clean'}"))

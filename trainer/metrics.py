@@ -216,7 +216,8 @@ class StepProfiler:
 class Stragglers:
     """Each rank's own time per step (its batch and forward pass: StepTimer.own_ms), gathered every
     log interval, and the rank that is persistently slower than the others: SLOWER x the median
-    for PERSIST intervals in a row. A straggler holds every rank back (DDP waits for it in every
+    of the other ranks for PERSIST intervals in a row (of the others: with two ranks the median of
+    all is their mean, and a rank twice as slow as its peer would never pass 1.5x it). A straggler holds every rank back (DDP waits for it in every
     gradient all-reduce); naming it points at the node to look at. One wait stays inside the
     figure: with dist.broadcast_buffers (batch norm), each forward starts with rank 0's buffers, so
     a slow rank 0 lengthens the others' forward too (then the line names several ranks, or none)."""
@@ -243,7 +244,8 @@ class Stragglers:
         """(fields for the log record, '' or the progress line's note naming a straggler)."""
         median = statistics.median(per_rank)
         slowest = max(range(len(per_rank)), key=per_rank.__getitem__)
-        slow = {r for r, ms in enumerate(per_rank) if median > 0 and ms > self.SLOWER * median and ms - median > self.FLOOR_MS}
+        others = {r: statistics.median(per_rank[:r] + per_rank[r + 1 :]) for r in range(len(per_rank))} if len(per_rank) > 1 else {}
+        slow = {r for r, ref in others.items() if ref > 0 and per_rank[r] > self.SLOWER * ref and per_rank[r] - ref > self.FLOOR_MS}
         self.streak = {r: self.streak.get(r, 0) + 1 for r in slow}
         record = {"own_ms_median": round(median, 3), "own_ms_slowest": per_rank[slowest], "slowest_rank": slowest}
         if len(per_rank) <= 64:
@@ -253,7 +255,7 @@ class Stragglers:
             return record, ""
         record["stragglers"] = named
         host = lambda r: self.hosts[r][0] if r < len(self.hosts) else "?"  # noqa: E731
-        return record, "straggler: " + ", ".join(f"rank {r} ({host(r)}) {per_rank[r] / median:.1f}x the median "
+        return record, "straggler: " + ", ".join(f"rank {r} ({host(r)}) {per_rank[r] / others[r]:.1f}x the others' median "
                                                  f"for {self.streak[r]} intervals" for r in named)
 
 
