@@ -115,7 +115,7 @@ def test_a_stop_signal_gives_75_with_a_checkpoint_of_that_step_and_a_relaunch_re
     assert "Traceback" not in out and "SignalException" not in out, out[-3000:]
     sig = "SIGINT" if "Ctrl-C" in how else "SIGTERM"
     assert f"{sig} received: the workers stop after their current step" in out  # the launcher, at once
-    assert f"{sig} received: stopping after the current step and saving" in out  # rank 0, at once
+    assert "stopping after the current step and saving" not in out  # one line, the launcher's: not again from rank 0
     stopped = [line for line in out.splitlines() if line.startswith(f"stopped by {sig} at step")]
     assert stopped, out[-3000:]
     step = int(stopped[0].split("at step ")[1].split(";")[0])
@@ -163,7 +163,7 @@ def test_a_second_ctrl_c_stops_at_once(ckpt):
     agent = launch(ckpt, "checkpoint.every_epochs=0", extra_env={"TRAINER_FAULT": "before-rename:sleep=60"})
     until(agent, "epoch 2/")
     os.killpg(agent.pid, signal.SIGINT)
-    until(agent, "shutting down workers")  # torchrun passed the first one on
+    until(agent, "SIGINT received: the workers stop")  # the supervisor passes it on (the save's folder below shows they got it)
     deadline = time.time() + 60
     while time.time() < deadline and not list(ckpt.glob(".tmp-step-*")):  # the stop's save has begun
         time.sleep(0.1)

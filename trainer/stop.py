@@ -21,7 +21,7 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-from trainer.contract import STOP_SIGNALS
+from trainer.contract import STOP_SIGNALS, supervised
 from trainer.runtime import Runtime
 
 
@@ -48,7 +48,9 @@ class StopFlag:
             raise KeyboardInterrupt  # a second Ctrl-C stops at once
         first = self.signal_name is None
         self.signal_name = signal.Signals(signum).name
-        if first and self.rt.is_main:  # at once, not when the step ends
+        # at once, not when the step ends; under the supervisor it says so itself, and a signal it
+        # did not pass on is torchrun re-forming the group, which it reports in its own words
+        if first and self.rt.is_main and not supervised():
             print(f"{self.signal_name} received: stopping after the current step and saving a checkpoint (Ctrl-C again stops at once)", flush=True)
 
     @property

@@ -49,6 +49,7 @@ import time
 from pathlib import Path
 
 from trainer import contract, slurm
+from trainer.console import Relay
 from trainer.contract import EXIT_CRASH, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE, say
 from trainer.procs import has_children, process_state
 from trainer.rendezvous import endpoint, option, rdzv_conf, training_config, with_rdzv_defaults
@@ -384,6 +385,15 @@ def _error_file(message: str) -> None:
             pass
 
 
+def native_log(torchrun_args: list[str]) -> Path:
+    """Where torch's native stderr lines go: the run folder's native-stderr.txt (else a temporary
+    file, for a module other than the trainer's)."""
+    cfg = training_config(torchrun_args)
+    if cfg is None:
+        return Path(tempfile.gettempdir()) / f"trainer-native-stderr-{os.getpid()}.txt"
+    return Path(cfg.checkpoint.dir) / "native-stderr.txt"
+
+
 def supervise(torchrun_args: list[str], poll_s: float = 0.5) -> int:
     """Run ``torchrun ARGS`` and return the contract's exit code (see the module docstring)."""
     if warning := slurm.cpu_shortfall():
@@ -419,10 +429,12 @@ def supervise(torchrun_args: list[str], poll_s: float = 0.5) -> int:
             proc.send_signal(FORWARDED[signum])
 
     limit = slurm.TimeLimit() if slurm.supervising() else None
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=contract.die_with_parent)
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=contract.die_with_parent, stderr=subprocess.PIPE)
+    relay = Relay(proc.stderr, native_log(torchrun_args)).start()  # torch's native lines to the run folder, not the console
     previous = {s: signal.signal(s, on_signal) for s in FORWARDED}
     try:
         code, stopped_for_usage = _watch(proc, exit_dir, LostRendezvous(torchrun_args, proc.pid), limit, poll_s)
+        relay.join()  # the workers' last lines before ours
         final = verdict(code, recorded(exit_dir))
         if final == EXIT_USAGE and not stopped_for_usage:
             _say_usage_error(exit_dir)
