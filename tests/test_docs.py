@@ -21,7 +21,7 @@ def test_readme_is_short_and_its_first_screen_shows_every_launcher_with_its_comm
     first = "\n".join(lines[:40])
     for where in ("this machine", "Docker", "Trainer v2", "PyTorchJob", "TorchX", "Slurm"):
         assert re.search(rf"^\| [^|]*{where}[^|]* \| `[^`]+` \| \[", first, re.M), where
-    targets = run(["make", "help"]).stdout
+    targets = run(["make", "--no-print-directory", "help"]).stdout
     for cmd in re.findall(r"^\| [^|]+ \| `make ([a-z0-9-]+)", first, re.M):
         assert f"  {cmd} " in targets, cmd
 

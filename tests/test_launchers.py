@@ -1137,7 +1137,7 @@ def test_make_run_local_from_a_fresh_clone_offline_picks_a_cpu_job_on_the_synthe
 
 
 def test_make_help_lists_every_target_with_one_line():
-    out = run(["make", "help"], cwd=ROOT).stdout.splitlines()
+    out = run(["make", "--no-print-directory", "help"], cwd=ROOT).stdout.splitlines()  # no Entering-directory lines under make -C
     listed = {line.split()[0] for line in out[1:]}
     phony = set(re.search(r"^\.PHONY: (.*)$", (ROOT / "Makefile").read_text(), re.M).group(1).split())
     assert listed == phony and all(len(line.split(None, 1)) == 2 for line in out[1:]), out
