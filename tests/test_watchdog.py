@@ -331,6 +331,22 @@ def test_a_rank_whose_record_stops_is_named_with_its_host(store):
     assert "waiting for rank 1 (node2)" in clause and "has not run" in clause, clause
 
 
+def test_a_stopped_rank_is_said_silent_for_as_long_as_it_has_not_run_not_as_long_as_it_was_watched(store):
+    """The others look only once their own progress is overdue: a rank stopped 30 s before is not
+    said to be silent for the few seconds since they began to look."""
+    waiting, stopped = watchdog.Peers(0, 2), watchdog.Peers(1, 2)
+    stopped.host = "node2"
+    real = time.time
+    watchdog.time.time = lambda: real() - 30  # its record written 30 s ago
+    try:
+        stopped.publish(12, "step")
+    finally:
+        watchdog.time.time = real
+    observe_for(waiting, 0.6)
+    silent = re.search(r"has not run for (\d+) s", waiting.culprit(13))
+    assert silent and 30 <= int(silent.group(1)) <= 32, waiting.culprit(13)
+
+
 def test_a_rank_blocked_in_its_data_read_is_named(store):
     waiting, reading = watchdog.Peers(0, 2), watchdog.Peers(1, 2)
     reading.host = "node2"

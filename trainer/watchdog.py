@@ -247,7 +247,7 @@ class Peers:
 
     def publish(self, step: int, phase: str) -> None:
         self._seq += 1
-        record = {"host": self.host, "step": step, "phase": phase, "seq": self._seq}
+        record = {"host": self.host, "step": step, "phase": phase, "seq": self._seq, "time": round(time.time(), 3)}
         try:
             self._connect().set(f"{self._prefix}/{self.rank}", json.dumps(record))
         except Exception as e:  # noqa: BLE001 - a store that does not answer is itself the news
@@ -309,7 +309,9 @@ class Peers:
                     "rank 0 or its host is stopped, lost or cut off")
         if self._since is None:
             return ""
-        silent = {r: now - t for r, (_, t, _rec) in seen.items() if now - t > 2 * PUBLISH_S + TICK_S}
+        # how long it has not run: since its last record was written (its host's clock, which the
+        # cluster keeps in step), not since this rank began to look, a third of the bound late
+        silent = {r: max(now - t, time.time() - rec.get("time", time.time())) for r, (_, t, rec) in seen.items() if now - t > 2 * PUBLISH_S + TICK_S}
         if silent:
             return "; waiting for " + ", ".join(
                 f"rank {r} ({seen[r][2]['host']}), whose process has not run for {s:.0f} s (stopped, frozen, or its host lost)"
