@@ -48,3 +48,14 @@ def test_torchs_native_lines_of_a_real_run_go_to_the_run_folder(tmp_path):
     assert not [line for line in p.stderr.splitlines() if NATIVE.match(line.encode())], p.stderr[-3000:]
     kept = (tmp_path / "native-stderr.txt").read_text()
     assert re.search(r"^\[rank[01]\]:\[I\d{4} .*\] ", kept, re.M) and "OMP_NUM_THREADS" in kept, kept[:2000]
+
+
+def test_a_console_that_is_gone_does_not_stop_the_stream_being_read(tmp_path):
+    class Gone(io.BytesIO):
+        def write(self, data):
+            raise BrokenPipeError
+
+    source = io.BytesIO(b"a line\n" * 100_000 + b"[W1206 07:02:11.1 socket.cpp:1] [c10d] last\n")
+    relay = Relay(source, tmp_path / "native-stderr.txt", Gone()).start()
+    relay.join()
+    assert source.tell() == len(source.getvalue()) and relay.diverted == 1

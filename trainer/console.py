@@ -47,8 +47,7 @@ class Relay:
             for line in iter(self.source.readline, b""):
                 in_block = bool(NATIVE.match(line)) or (in_block and bool(CONTINUED.match(line)))
                 if not in_block:
-                    self.console.write(line)
-                    self.console.flush()
+                    self._show(line)
                     continue
                 if out is None:
                     out = self._open()
@@ -59,6 +58,17 @@ class Relay:
         finally:
             if out is not None:
                 out.close()
+
+    def _show(self, line: bytes) -> None:
+        """To the console; a console that is gone (a closed pipe) is not written again, but the
+        stream is still read to its end: a full pipe would block every writer, the workers too."""
+        if self.console is None:
+            return
+        try:
+            self.console.write(line)
+            self.console.flush()
+        except (OSError, ValueError):
+            self.console = None
 
     def _open(self):
         try:
