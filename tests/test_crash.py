@@ -31,6 +31,16 @@ def test_an_unknown_peer_a_timeout_and_a_bug_each_read_as_one_line(tmp_path, mon
     assert "lost a peer at step 3" in lost
     timeout = crash.describe(RuntimeError("[gloo] Timed out waiting 300000ms for recv operation to complete"), 1, 3, HOSTS, 300)
     assert "a collective waited dist.timeout_s=300 s" in timeout
+    class Silent:  # the watchdog's view of the store: rank 2 noted no failure of its own (its host is gone)
+        def note_failure(self):
+            return True
+
+        def lost(self, hosts):
+            return [(2, hosts[2][0])]
+
+    named = crash.describe(RuntimeError("[gloo] Timed out waiting 30000ms for recv operation to complete"), 1, 3, HOSTS, 30, Silent())
+    assert named.startswith("rank 1 (") and named.endswith("): lost rank 2 (node2) at step 3: it did not answer a collective for "
+                                                          "dist.timeout_s=30 s"), named
     bug = crash.describe(ValueError("bad shape\nmore"), 0, None, HOSTS, 300)
     assert bug.endswith("crashed before the first step: ValueError: more")
     (tmp_path / "step-8").mkdir()

@@ -85,6 +85,10 @@ def describe(error: BaseException, rank: int, step: int | None, hosts: list[tupl
         whom = ", ".join(f"rank {r} ({h})" for r, h in lost) or "a peer"
         return f"{me}: lost {whom}{at}: {_short(first)}"
     if TIMED_OUT.search(message) and (COLLECTIVE.search(message) or type(error).__name__.startswith("Dist")):
+        silent = peers.lost(hosts) if peers is not None else None  # a host lost silently (no reset): whoever noted no failure
+        if silent:
+            whom = ", ".join(f"rank {r} ({h})" for r, h in silent)
+            return f"{me}: lost {whom}{at}: it did not answer a collective for dist.timeout_s={timeout_s:g} s"
         return f"{me}: a collective waited dist.timeout_s={timeout_s:g} s for a rank that did not answer{at}: {_short(first)}"
     return f"{me}: crashed{at}: {type(error).__name__}: {_short(first)}"
 
