@@ -19,9 +19,14 @@
 #   MIN_NODES=$SLURM_NNODES       elastic: fewer nodes the job may go on with (--nnodes MIN_NODES:
 #                                 SLURM_NNODES); submit with --no-kill so that the allocation
 #                                 outlives a failed node. Every size in the range must split
-#                                 train.batch_size. The first node holds the rendezvous: the job
+#                                 train.batch_size. The first node holds the rendezvous (unless
+#                                 RDZV_ENDPOINT names an etcd server): the job
 #                                 survives the loss of any other node
 #   RDZV_PORT=a free port         c10d rendezvous port on the first node (picked there)
+#   RDZV_ENDPOINT=HOST:PORT       an etcd server (v2 API: etcd --enable-v2) on a host that is not a
+#                                 node of the job: torchrun's etcd-v2 rendezvous, which survives the
+#                                 loss of any node, the first included (needs python-etcd: the
+#                                 etcd extra). Unset: c10d on the first node
 #   LOCAL_ADDR=auto               address each node advertises: auto = this node's source address on
 #                                 the route to the first node (the interface the others reach it
 #                                 by; `hostname -I` lists addresses in no set order: docker0, IPoIB);
@@ -61,6 +66,10 @@ if [ -z "${CONTAINER_IMAGE:-}${APPTAINER_IMAGE:-}" ] && [ -f "${VENV:-$REPO/.ven
 fi
 
 head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+rdzv=(--rdzv-backend=c10d --rdzv-endpoint="$head_node:$RDZV_PORT")
+if [ -n "${RDZV_ENDPOINT:-}" ]; then
+    rdzv=(--rdzv-backend=etcd-v2 --rdzv-endpoint="$RDZV_ENDPOINT")
+fi
 ckpt_dir=$CKPT_ROOT/$RUN_NAME
 data_dir=$DATA_DIR
 mkdir -p "$ckpt_dir"
@@ -86,12 +95,12 @@ case "$LOCAL_ADDR" in
     addr=(--local-addr "${src:-$(hostname -I | cut -d" " -f1)}") ;;
   *) addr=(--local-addr "$LOCAL_ADDR") ;;
 esac
-echo "$(hostname): rendezvous at $HEAD_NODE:$RDZV_PORT, this node advertises ${addr[1]:-its host name}" >&2
+echo "$(hostname): rendezvous at ${RDZV_ENDPOINT:-$HEAD_NODE:$RDZV_PORT}, this node advertises ${addr[1]:-its host name}" >&2
 if [ -n "$APPTAINER_IMAGE" ]; then
   exec apptainer exec --nv --bind "$APPTAINER_BIND" "$APPTAINER_IMAGE" python -m trainer torchrun "${addr[@]}" "$@"
 fi
 exec python -m trainer torchrun "${addr[@]}" "$@"'
-export LOCAL_ADDR RDZV_PORT HEAD_NODE="$head_node" APPTAINER_IMAGE="${APPTAINER_IMAGE:-}" APPTAINER_BIND="$ckpt_dir,$DATA_DIR"
+export LOCAL_ADDR RDZV_PORT RDZV_ENDPOINT="${RDZV_ENDPOINT:-}" HEAD_NODE="$head_node" APPTAINER_IMAGE="${APPTAINER_IMAGE:-}" APPTAINER_BIND="$ckpt_dir,$DATA_DIR"
 
 nnodes=$SLURM_NNODES
 step_opts=(--wait=60)
@@ -124,7 +133,7 @@ cpus=()
 if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then cpus=(--cpus-per-task="$SLURM_CPUS_PER_TASK"); fi
 srun --ntasks-per-node=1 "${step_opts[@]}" "${cpus[@]}" "${container[@]}" bash -c "$node_cmd" trainer-torchrun \
     --nnodes="$nnodes" --nproc-per-node="$NPROC_PER_NODE" --max-restarts="$MAX_RESTARTS" \
-    --rdzv-backend=c10d --rdzv-endpoint="$head_node:$RDZV_PORT" --rdzv-id="$SLURM_JOB_ID" \
+    "${rdzv[@]}" --rdzv-id="$SLURM_JOB_ID" \
     -m trainer train --config "$CONFIG" checkpoint.dir="$ckpt_dir" data.dir="$data_dir" "$@" &
 srun_pid=$!
 wait "$srun_pid"

@@ -68,10 +68,11 @@ class Proc:
 
 
 def node(bed: Bed, host: str, ckpt: Path, job_id: str, *overrides: str, nnodes: int | str = 2, rdzv: str = "", endpoint: str = "node0",
-         environ: dict[str, str] | None = None) -> Proc:
-    """`trainer torchrun` on ``host``, as every launcher of ours runs it, c10d rendezvous on ``endpoint``."""
+         environ: dict[str, str] | None = None, backend: str = "c10d", port: int = PORT) -> Proc:
+    """`trainer torchrun` on ``host``, as every launcher of ours runs it, its rendezvous (c10d, or
+    etcd-v2) at ``endpoint``."""
     cmd = [sys.executable, "-m", "trainer", "torchrun", f"--nnodes={nnodes}", "--nproc-per-node=1", "--max-restarts=3",
-           "--monitor-interval=0.5", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}:{PORT}", f"--rdzv-id={job_id}", *([rdzv] if rdzv else []),
+           "--monitor-interval=0.5", f"--rdzv-backend={backend}", f"--rdzv-endpoint={endpoint}:{port}", f"--rdzv-id={job_id}", *([rdzv] if rdzv else []),
            "-m", "trainer", "train", *JOB, f"checkpoint.dir={ckpt}", *overrides]
     return Proc(bed, host, cmd, env(**(environ or {})))
 
@@ -363,6 +364,50 @@ def test_an_elastic_job_goes_on_without_the_host_of_rank_0_and_grows_back_when_i
     acc = [json.loads(x)["test_acc"] for x in (ckpt / "metrics.jsonl").read_text().splitlines() if '"event": "epoch"' in x][-1]
     ref = [json.loads(x)["test_acc"] for x in (straight / "metrics.jsonl").read_text().splitlines() if '"event": "epoch"' in x][-1]
     assert abs(acc - ref) <= 0.05, (acc, ref)
+
+
+ETCD_PORT = 2379
+
+
+def etcd(bed: Bed, host: str, data: Path) -> Proc:
+    """Debian's etcd-server on ``host`` with the v2 API torchrun's etcd-v2 rendezvous speaks."""
+    proc = Proc(bed, host, ["etcd", "--data-dir", str(data), "--enable-v2", f"--listen-client-urls=http://0.0.0.0:{ETCD_PORT}",
+                            f"--advertise-client-urls=http://{host}:{ETCD_PORT}", "--listen-peer-urls=http://127.0.0.1:2380"], env())
+    proc.when("ready to serve client requests", timeout=60)
+    return proc
+
+
+def test_with_etcd_the_loss_of_rank_0s_host_is_survived_like_any_other_and_the_group_grows_back(tmp_path):
+    """The rendezvous in etcd, on a host that is not a worker (--rdzv-backend=etcd-v2): the host of
+    rank 0, which also holds the workers' store, is lost; the two others go on at world size 2
+    within 30 s (c10d's rendezvous on that host would have ended the job); the host returns and the
+    group grows back to 3; the job finishes."""
+    ckpt = tmp_path / "ckpt"
+    with Bed(4, names=["etcd", "node0", "node1", "node2"]) as bed:
+        etcd(bed, "etcd", tmp_path / "etcd-data")
+        start = lambda h: node(bed, h, ckpt, "etcd-el", *ELASTIC, "train.epochs=12", nnodes="2:3", endpoint="etcd",  # noqa: E731
+                               backend="etcd-v2", port=ETCD_PORT)
+        run = {h: start(h) for h in ("node0", "node1", "node2")}
+        first = first_of(list(run.values()), r"epoch 3/12 step 4/", timeout=180)[1]
+        rank0 = next(h for h, p in run.items() if "strategy ddp x3" in p.out)
+        others = [h for h in run if h != rank0]
+        t_loss = time.time()
+        bed.crash(rank0)
+        leader, t_formed = first_of([run[h] for h in others], "strategy ddp x2", after=t_loss, timeout=60)
+        t_next = leader.when(r"epoch \d+/12 step \d+/", after=t_formed)
+        print(f"etcd, elastic 2:3: {rank0} (rank 0's host) lost at {t_loss - first:.0f} s -> training at world size 2 {t_next - t_loss:.1f} s later")
+        assert t_next - t_loss < 30
+        for h in others:
+            assert re.search(rf"lost rank 0 \({rank0}\) at step \d+", run[h].out), run[h].out[-3000:]
+        t_back = time.time()
+        run[rank0] = start(rank0)  # the host is back, the same command
+        leader, t_formed = first_of(list(run.values()), "strategy ddp x3", after=t_back, timeout=90)
+        t_grow = leader.when(r"epoch \d+/12 step \d+/", after=t_formed)
+        print(f"etcd, elastic 2:3: {rank0} back -> training at world size 3 {t_grow - t_back:.1f} s after its launch")
+        for p in run.values():
+            assert p.wait(300) == 0, f"{p.host} exited {p.proc.returncode}\n{p.out[-3000:]}"
+    sizes = [r["world_size"] for r in starts(ckpt)]
+    assert sizes == [3, 2, 3] and newest(ckpt).name == "step-120", (sizes, newest(ckpt))
 
 
 # ------------------------------------------------------------------------------------------------
