@@ -821,6 +821,14 @@ def test_torchx_slurm_dryrun_asks_for_the_right_resources():
         assert "--partition" not in line  # the cluster's default partition, unless -cfg names one
     assert "--nproc-per-node 4" in script and "--nnodes 2" in script and "checkpoint.dir=/shared/ckpt/cifar" in script
     assert "/root/" not in script and sys.executable not in script  # no path of the submitting machine in the job
+    assert "--rdzv-backend c10d" in script
+
+
+def test_torchx_takes_an_etcd_rendezvous_endpoint():
+    p = torchx("run", "--workspace", "", "--dryrun", "-s", "slurm", "trainer/components.py:train_ddp", "--j", "2:3x4", "--gpu", "4",
+               "--rdzv_endpoint", "etcd.example.org:2379", "--checkpoint_dir", "/shared/ckpt/cifar")
+    script = scheduler_request(p.stdout)
+    assert "--rdzv-backend etcd-v2" in script and '--rdzv-endpoint "etcd.example.org:2379"' in script, script
 
 
 @pytest.mark.parametrize("folder, args, words", [

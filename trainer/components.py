@@ -74,14 +74,17 @@ HAS_TRAINER = "import importlib.util as u, sys; sys.exit(not (u.find_spec('torch
 
 def _role(
     train_args: List[str], image: str, j: str, gpu: int, cpu: int, memMB: int, h: Optional[str], mounts: List[str],
-    max_restarts: int, max_retries: int, env: Dict[str, str],
+    max_restarts: int, max_retries: int, env: Dict[str, str], rdzv_endpoint: str = "",
 ) -> specs.Role:
     """One role, one replica per node, each running ``trainer torchrun`` with c10d rendezvous on
-    the first replica (torchx's rank-0 host macro), the app id as rendezvous id."""
+    the first replica (torchx's rank-0 host macro), or etcd-v2 at ``rdzv_endpoint``, the app id as
+    rendezvous id."""
     min_nnodes, max_nnodes, nproc_per_node, nnodes = parse_nnodes(j)
     # multi-node: the rank-0 host as each scheduler exposes it (escaped $ for torchx's templating)
     endpoint = "localhost:0" if max_nnodes == 1 else f"$${{{macros.rank0_env}:=localhost}}:{RDZV_PORT}"
-    torchrun = ["--rdzv-backend", "c10d", "--rdzv-id", macros.app_id, "--nnodes", nnodes, "--nproc-per-node", str(nproc_per_node),
+    backend = "etcd-v2" if rdzv_endpoint else "c10d"
+    endpoint = rdzv_endpoint or endpoint
+    torchrun = ["--rdzv-backend", backend, "--rdzv-id", macros.app_id, "--nnodes", nnodes, "--nproc-per-node", str(nproc_per_node),
                 "--max-restarts", str(max_restarts), "-m", "trainer", "train", *train_args]
     pythons = " ".join(shlex.quote(p) for p in _pythons())
     # the first interpreter with torch and the trainer (a spec lookup: no import, no cost), else one line and exit 2
@@ -113,6 +116,7 @@ def train_ddp(
     max_restarts: int = 3,
     max_retries: int = 3,
     env: Optional[Dict[str, str]] = None,
+    rdzv_endpoint: str = "",
 ) -> specs.AppDef:
     """DDP training of the CIFAR-10 trainer on ``j`` = NODESxPROCS (one process per GPU).
 
@@ -146,6 +150,9 @@ def train_ddp(
             itself after a save for its time limit or a preemption whatever this says, and bad
             input makes it not requeueable; pass 0 there to leave crashes to torchrun's restarts
         env: extra environment variables
+        rdzv_endpoint: HOST:PORT of an etcd server (v2 API) outside the job: torchrun's etcd-v2
+            rendezvous, which outlives any node, the rank-0 host included (the image needs
+            python-etcd: the etcd extra). Empty: c10d on the rank-0 host
     """
     nproc = j.rsplit("x", 1)[-1]
     if gpu < 0:  # one GPU per process, as the DDP ranks need; a CPU job must say gpu=0
@@ -158,7 +165,7 @@ def train_ddp(
     # requeue after the save, never after bad input (trainer/slurm.py); elsewhere the variable is inert
     role_env = {"PYTHONUNBUFFERED": "1", "TRAINER_NO_GPU_FIX": "pass --gpu 0 to the component to train on the CPU", "TRAINER_SLURM_SUPERVISE": "1",
                 MOUNTS_ENV: ";".join(expected), **(env or {})}
-    role = _role(train_args, image, j, gpu, cpu, memMB, h, mounts, max_restarts, max_retries, role_env)
+    role = _role(train_args, image, j, gpu, cpu, memMB, h, mounts, max_restarts, max_retries, role_env, rdzv_endpoint)
     return specs.AppDef(name="cifar", roles=[role])
 
 
