@@ -99,13 +99,17 @@ def with_rdzv_defaults(argv: list[str]) -> list[str]:
       MIN nodes are back after a node is lost the group re-forms that much later instead of torchrun's
       30 s (a node that comes later joins at the next re-form); keep_alive_interval =
       ELASTIC_KEEP_ALIVE_S, so that a lost node is dropped from the rendezvous after 3 missed
-      keep-alives, 9 s instead of 15 s (one small store write per node that often)."""
-    if option(argv, "rdzv-backend") != "c10d":
+      keep-alives, 9 s instead of 15 s (one small store write per node that often).
+    - etcd-v2 (a rendezvous in etcd): the same last_call_timeout for an elastic range."""
+    backend = option(argv, "rdzv-backend")
+    if backend not in ("c10d", "etcd-v2"):
         return argv
     conf = rdzv_conf(argv)
-    wanted = {"read_timeout": conf.get("join_timeout", "600")}
+    wanted = {"read_timeout": conf.get("join_timeout", "600")} if backend == "c10d" else {}
     if ":" in option(argv, "nnodes", "1"):
-        wanted.update(last_call_timeout=str(ELASTIC_LAST_CALL_S), keep_alive_interval=str(ELASTIC_KEEP_ALIVE_S))
+        wanted["last_call_timeout"] = str(ELASTIC_LAST_CALL_S)  # etcd-v2 reads the same key (30 s there too)
+        if backend == "c10d":
+            wanted["keep_alive_interval"] = str(ELASTIC_KEEP_ALIVE_S)
     if all(k in conf for k in wanted):
         return argv
     conf = {**conf, **{k: v for k, v in wanted.items() if k not in conf}}
