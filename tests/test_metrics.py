@@ -133,3 +133,15 @@ def test_curves_draw_every_log_line_once_and_whole_epoch_ticks_under_a_title():
     assert ticks and all(float(t).is_integer() for t in ticks), ticks
     assert fig._suptitle.get_text() == "tinynet on synthetic set: ddp, 2 processes on cpu"
     assert draw_curves([], [], "") is None
+
+
+def test_the_others_median_of_each_rank_matches_the_median_taken_without_it():
+    import random
+    import statistics
+
+    from trainer.metrics import medians_of_the_others
+
+    rng = random.Random(0)
+    for _ in range(500):
+        v = [float(rng.randint(1, 6)) for _ in range(rng.randint(0, 9))]  # ties included
+        assert medians_of_the_others(v) == ({r: statistics.median(v[:r] + v[r + 1 :]) for r in range(len(v))} if len(v) > 1 else {}), v

@@ -213,6 +213,20 @@ class StepProfiler:
                 "host_waits_per_step": {k: round(v / n, 2) for k, v in sorted(waits.items())}}
 
 
+def medians_of_the_others(values: list[float]) -> dict[int, float]:
+    """Each index's median of every other value, from one sort (not one median per index: a
+    thousand ranks would sort a million numbers every log interval). {} for fewer than two."""
+    order = sorted(range(len(values)), key=values.__getitem__)
+    s, m = [values[i] for i in order], len(values) - 1
+    if m < 1:
+        return {}
+
+    def without(p: int) -> float:
+        at = lambda i: s[i] if i < p else s[i + 1]  # noqa: E731 - the sorted values with position p left out
+        return at(m // 2) if m % 2 else (at(m // 2 - 1) + at(m // 2)) / 2
+
+    return {r: without(p) for p, r in enumerate(order)}
+
 class Stragglers:
     """Each rank's own time per step (its batch and forward pass: StepTimer.own_ms), gathered every
     log interval, and the rank that is persistently slower than the others: SLOWER x the median
@@ -244,7 +258,7 @@ class Stragglers:
         """(fields for the log record, '' or the progress line's note naming a straggler)."""
         median = statistics.median(per_rank)
         slowest = max(range(len(per_rank)), key=per_rank.__getitem__)
-        others = {r: statistics.median(per_rank[:r] + per_rank[r + 1 :]) for r in range(len(per_rank))} if len(per_rank) > 1 else {}
+        others = medians_of_the_others(per_rank)
         slow = {r for r, ref in others.items() if ref > 0 and per_rank[r] > self.SLOWER * ref and per_rank[r] - ref > self.FLOOR_MS}
         self.streak = {r: self.streak.get(r, 0) + 1 for r in slow}
         record = {"own_ms_median": round(median, 3), "own_ms_slowest": per_rank[slowest], "slowest_rank": slowest}
