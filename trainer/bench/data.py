@@ -147,17 +147,26 @@ def trainer_run(name: str, args: list[str], out: Path) -> dict:
             "tail": (p.stdout + p.stderr)[-600:] if p.returncode else ""}
 
 
-def reference(root: Path, steps: int) -> dict:
-    """torchvision's reference recipe's loader feeding the same compiled bf16 channels-last step."""
+def reference_loader(root: Path):
+    """torchvision's reference recipe's training loader (ImageFolder, PIL RandomResizedCrop and
+    flip, a worker per core but one, pinned memory) at batch 256, and its worker count."""
     import torch
     import torchvision
     from torchvision import transforms as T
 
     tf = T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))])
-    ds = torchvision.datasets.ImageFolder(str(root / "train"), tf)
     workers = len(os.sched_getaffinity(0)) - 1
-    loader = torch.utils.data.DataLoader(ds, batch_size=256, shuffle=True, num_workers=workers, pin_memory=True, drop_last=True,
-                                         persistent_workers=True, prefetch_factor=4)
+    loader = torch.utils.data.DataLoader(torchvision.datasets.ImageFolder(str(root / "train"), tf), batch_size=256, shuffle=True,
+                                         num_workers=workers, pin_memory=True, drop_last=True, persistent_workers=True, prefetch_factor=4)
+    return loader, workers
+
+
+def reference(root: Path, steps: int) -> dict:
+    """torchvision's reference recipe's loader feeding the same compiled bf16 channels-last step."""
+    import torch
+    import torchvision
+
+    loader, workers = reference_loader(root)
     model = torchvision.models.resnet50(num_classes=10).cuda().to(memory_format=torch.channels_last)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
     step = torch.compile(lambda x, y: torch.nn.functional.cross_entropy(model(x), y))
@@ -186,11 +195,9 @@ def reference(root: Path, steps: int) -> dict:
 
 def loader_alone(shards: Path, root: Path, steps: int) -> list[dict]:
     """Each feed without the model: batches of 256 on the GPU, normalised float (ours: CPU workers
-    and GPU decode; the reference: its DataLoader's tensors copied over). Steady images/s after ten
-    batches."""
+    and GPU decode; the reference: its DataLoader's tensors copied over). Steady images/s: past the batches read ahead, then ten
+    more."""
     import torch
-    import torchvision
-    from torchvision import transforms as T
 
     from trainer.config import load_config
     from trainer.loader import Augment
@@ -218,10 +225,7 @@ def loader_alone(shards: Path, root: Path, steps: int) -> list[dict]:
                          "workers": loader.loader_args["num_workers"]})
         finally:
             teardown()
-    tf = T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))])
-    workers = len(os.sched_getaffinity(0)) - 1
-    loader = torch.utils.data.DataLoader(torchvision.datasets.ImageFolder(str(root / "train"), tf), batch_size=256, shuffle=True,
-                                         num_workers=workers, pin_memory=True, drop_last=True, persistent_workers=True, prefetch_factor=4)
+    loader, workers = reference_loader(root)
     batches = (x.cuda(non_blocking=True) for _ in range(1000) for x, _ in loader)
     rows.append({"case": "reference-loader-alone", "images_per_s": round(rate(batches, 4 * workers)), "workers": workers})
     return rows
