@@ -13,6 +13,7 @@ the images, the same files), peak RSS of each.
     python -m trainer.bench.data OUT --cifar DIR [--photo] [--images 25600] [--steps 100]
     python -m trainer.bench.data --readers SHARDS     # the two readers on the CPU
     python -m trainer.bench.data --memory SHARDS      # host memory of a streamed CPU run, the set x1 and x16
+    python -m trainer.bench.data --decode CIFAR_DIR   # the GPU decode's parts on photo-like JPEGs, ms per batch of 256
 """
 
 from __future__ import annotations
@@ -232,6 +233,10 @@ def loader_alone(shards: Path, root: Path, steps: int) -> list[dict]:
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--decode"]:
+        for r in decode_parts(Path(argv[1])):
+            print(json.dumps(r), flush=True)
+        return 0
     if argv[:1] in (["--readers"], ["--memory"]):
         import tempfile
 
@@ -313,6 +318,68 @@ def readers(shards: Path, images: int = 20000) -> list[dict]:
         for raw in raws:
             decode_cpu(raw)
     rows.append({"case": "indexed-permutation", "images_per_s": round(images / (time.perf_counter() - t0))})
+    return rows
+
+
+def decode_parts(cifar: Path, n: int = 256, repeat: int = 10) -> list[dict]:
+    """Milliseconds per batch of ``n`` photo-like JPEGs for each part of the GPU decode path and its
+    alternatives: where the GPU path's time goes."""
+    import tempfile
+
+    import torch
+    import torchvision
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    from trainer.stream import boxes, crop_resize, step_uniforms
+
+    with tempfile.TemporaryDirectory() as tmp:
+        make_set(cifar, Path(tmp), n, test=10, photo=True)
+        files = sorted(Path(tmp, "train").rglob("*.jpg"))[:n]
+        raws = [torchvision.io.read_file(str(f)) for f in files]
+    flat = torch.cat(raws)
+    views = list(torch.split(flat, [r.numel() for r in raws]))
+    u = step_uniforms(0, 0, 0, n)
+    dev = torch.device("cuda")
+
+    def ms(fn) -> float:
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        torch.cuda.synchronize()
+        return round((time.perf_counter() - t0) / repeat * 1000, 2)
+
+    rows = [{"case": "set", "images": n, "mean_bytes": flat.numel() // n, "shape": list(decode_jpeg(raws[0]).shape)}]
+    rows.append({"case": "gpu-decode-list", "ms": ms(lambda: decode_jpeg(raws, mode=ImageReadMode.RGB, device=dev))})
+    rows.append({"case": "gpu-decode-views-of-one-buffer", "ms": ms(lambda: decode_jpeg(views, mode=ImageReadMode.RGB, device=dev))})
+    imgs = decode_jpeg(raws, mode=ImageReadMode.RGB, device=dev)
+    at, mirror = boxes(imgs, 224, u, True)
+    rows.append({"case": "gpu-crop-resize-per-image", "ms": ms(lambda: torch.stack([crop_resize(im, at[j], 224, mirror[j]) for j, im in enumerate(imgs)]))})
+    rows.append({"case": "gpu-boxes", "ms": ms(lambda: boxes(imgs, 224, u, True))})
+
+    def roi(dtype):
+        x = torch.stack(imgs).to(dtype)
+        b = torch.tensor(at, dtype=torch.float, device=dev)
+        rois = torch.stack([torch.arange(n, device=dev, dtype=torch.float), b[:, 1], b[:, 0], b[:, 1] + b[:, 3], b[:, 0] + b[:, 2]], 1)
+        out = torchvision.ops.roi_align(x, rois.to(dtype), 224, 1.0, -1, True)
+        m = torch.tensor(mirror, device=dev)
+        return torch.where(m[:, None, None, None], out.flip(3), out)
+
+    rows.append({"case": "gpu-roi-align-batch-float", "ms": ms(lambda: roi(torch.float))})
+    rows.append({"case": "gpu-roi-align-batch-half", "ms": ms(lambda: roi(torch.half))})
+    ref = torch.stack([crop_resize(im, at[j], 224, mirror[j]) for j, im in enumerate(imgs)])
+    rows.append({"case": "roi-vs-interpolate-mean-abs", "levels": round((roi(torch.float) - ref).abs().mean().item(), 3)})
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    for r in raws[:64]:
+        decode_jpeg(r, mode=ImageReadMode.RGB)
+    rows.append({"case": "cpu-decode-one-core", "ms_per_image": round((time.perf_counter() - t0) / 64 * 1000, 2)})
+    cpu = [decode_jpeg(r, mode=ImageReadMode.RGB) for r in raws[:64]]
+    t0 = time.perf_counter()
+    for j, im in enumerate(cpu):
+        crop_resize(im, at[j], 224, mirror[j])
+    rows.append({"case": "cpu-crop-resize-one-core", "ms_per_image": round((time.perf_counter() - t0) / 64 * 1000, 2)})
     return rows
 
 
