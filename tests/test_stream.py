@@ -103,6 +103,32 @@ def test_odd_images_stream_as_rgb(tmp_path):
     assert x.shape == (36, 3, 32, 32) and not bad and torch.equal(y, labels)
 
 
+def test_the_gpu_paths_batch_crop_matches_the_cpu_workers_per_image_crops(tmp_path, shard_dir):
+    """decode_on_gpu's logic, run on the CPU (the GPU suite runs it with nvjpeg): one buffer from
+    the worker, one roi_align for the batch (in chunks, images of mixed sizes padded), a damaged
+    JPEG replaced as the CPU workers replace it."""
+    from trainer.stream import boxes, crop_batch, crop_resize, decode_cpu, decode_crop_cpu, decode_on_gpu, read, step_uniforms
+
+    name = damage_one_jpeg(shard_dir)
+    buf, labels, idx, u, where = StepBatches(ShardSet(shard_dir, "train"), 0, 1, 24, seed=3, size=24, flip=True, on_cpu=False)[(0, 0)]
+    assert buf[0].dim() == 1 and sum(buf[1]) == buf[0].numel()  # one buffer, its parts' lengths
+    x, y, bad = decode_on_gpu(buf, labels.clone(), where, 24, torch.device("cpu"), u, True)
+    cx, cy, cbad = decode_crop_cpu(read(ShardSet(shard_dir, "train"), idx.tolist())[0], labels.clone(), where, 24, u, True)
+    assert x.dtype == torch.float and x.shape == cx.shape == (24, 3, 24, 24) and torch.equal(y, cy) and bad == cbad
+    assert name not in where or bad == [name]
+    assert (x - cx.float()).abs().mean() < 3  # 0-255 levels: averaged bilinear samples against an antialiased resize
+
+    with pytest.warns(UserWarning):
+        write(odd_images(tmp_path / "odd"), tmp_path / "odd-sh", max_side=128)
+    raws, _, _ = read(ShardSet(tmp_path / "odd-sh", "train"), range(12))
+    images = [decode_cpu(r) for r in raws]
+    assert len({im.shape for im in images}) > 1  # mixed sizes: padded into one batch
+    at, mirror = boxes(images, 32, step_uniforms(0, 0, 0, 12), True)
+    per_image = torch.stack([crop_resize(im, at[j], 32, mirror[j]) for j, im in enumerate(images)]).float()
+    whole, chunked = crop_batch(images, at, mirror, 32), crop_batch(images, at, mirror, 32, chunk_values=2 * 3 * 128 * 200)
+    assert torch.equal(whole, chunked) and (whole - per_image).abs().mean() < 3
+
+
 @pytest.mark.slow
 def test_a_resume_at_another_world_size_continues_the_order_with_every_image_once(tmp_path, shard_dir):
     """Real torchrun: 2 processes train 7 steps of the 10-step epoch and stop, 3 processes resume
