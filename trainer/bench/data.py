@@ -330,7 +330,9 @@ def decode_parts(cifar: Path, n: int = 256, repeat: int = 10) -> list[dict]:
     import torchvision
     from torchvision.io import ImageReadMode, decode_jpeg
 
-    from trainer.stream import boxes, crop_resize, step_uniforms
+    import torch.nn.functional as F
+
+    from trainer.stream import boxes, crop_batch, crop_resize, step_uniforms
 
     with tempfile.TemporaryDirectory() as tmp:
         make_set(cifar, Path(tmp), n, test=10, photo=True)
@@ -355,7 +357,12 @@ def decode_parts(cifar: Path, n: int = 256, repeat: int = 10) -> list[dict]:
     rows.append({"case": "gpu-decode-views-of-one-buffer", "ms": ms(lambda: decode_jpeg(views, mode=ImageReadMode.RGB, device=dev))})
     imgs = decode_jpeg(raws, mode=ImageReadMode.RGB, device=dev)
     at, mirror = boxes(imgs, 224, u, True)
-    rows.append({"case": "gpu-crop-resize-per-image", "ms": ms(lambda: torch.stack([crop_resize(im, at[j], 224, mirror[j]) for j, im in enumerate(imgs)]))})
+    def per_image(im, box, flip):  # the crop each image had on the GPU before crop_batch
+        x = F.interpolate(im[:, box[0] : box[0] + box[2], box[1] : box[1] + box[3]].unsqueeze(0).float(), size=(224, 224), mode="bilinear",
+                          antialias=True, align_corners=False)[0]
+        return x.flip(2) if flip else x
+
+    rows.append({"case": "gpu-crop-resize-per-image", "ms": ms(lambda: torch.stack([per_image(im, at[j], mirror[j]) for j, im in enumerate(imgs)]))})
     rows.append({"case": "gpu-boxes", "ms": ms(lambda: boxes(imgs, 224, u, True))})
 
     def roi(dtype):
@@ -368,7 +375,10 @@ def decode_parts(cifar: Path, n: int = 256, repeat: int = 10) -> list[dict]:
 
     rows.append({"case": "gpu-roi-align-batch-float", "ms": ms(lambda: roi(torch.float))})
     rows.append({"case": "gpu-roi-align-batch-half", "ms": ms(lambda: roi(torch.half))})
-    ref = torch.stack([crop_resize(im, at[j], 224, mirror[j]) for j, im in enumerate(imgs)])
+    ref = torch.stack([per_image(im, at[j], mirror[j]) for j, im in enumerate(imgs)])
+    rows.append({"case": "gpu-crop-batch", "ms": ms(lambda: crop_batch(imgs, at, mirror, 224))})
+    views = [v.pin_memory() for v in views]
+    rows.append({"case": "gpu-decode-pinned-views", "ms": ms(lambda: decode_jpeg(views, mode=ImageReadMode.RGB, device=dev))})
     rows.append({"case": "roi-vs-interpolate-mean-abs", "levels": round((roi(torch.float) - ref).abs().mean().item(), 3)})
     torch.set_num_threads(1)
     t0 = time.perf_counter()
