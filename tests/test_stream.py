@@ -129,6 +129,48 @@ def test_the_gpu_paths_batch_crop_matches_the_cpu_workers_per_image_crops(tmp_pa
     assert torch.equal(whole, chunked) and (whole - per_image).abs().mean() < 3
 
 
+def test_the_gpu_paths_decode_ahead_thread_keeps_order_stops_cleanly_and_raises_where_it_happened(shard_dir, capsys):
+    """DecodeAhead, the GPU path's thread, run on the CPU: the same batches in the same order as the
+    workers' decode, an epoch left early leaves no thread behind, and a damaged image past the limit
+    raises on the training thread."""
+    import threading
+
+    from trainer.config import load_config
+    from trainer.loader import Augment
+    from trainer.runtime import setup, teardown
+    from trainer.stream import Streamed, StreamLoader
+
+    base = ["data.name=shards", f"data.dir={shard_dir}", "data.image_size=24", "train.batch_size=20", "data.stream_workers=2",
+            "train.strategy=cpu", "checkpoint.dir=/tmp/unused"]
+    cfg = load_config(None, base)
+    rt = setup(cfg)
+    try:
+        def loader(ahead: bool) -> StreamLoader:
+            return StreamLoader(Streamed(shard_dir, "train"), cfg, rt, 20, Augment(cfg, rt, True, 20, 6), gpu_decode=ahead)
+
+        plain, ahead = list(loader(False).epoch(1)), list(loader(True).epoch(1))
+        assert len(plain) == len(ahead) == 6
+        for (x, y, i), (xa, ya, ia) in zip(plain, ahead, strict=True):
+            assert torch.equal(y, ya) and torch.equal(i, ia) and (x - xa).abs().mean() < 0.1
+        early = loader(True)
+        for k, _ in enumerate(early.epoch(0)):
+            if k == 1:
+                break  # the generator is closed here, as when a run stops mid-epoch
+        assert not any(t.name == "gpu-decode-ahead" for t in threading.enumerate())
+        assert len(list(early.epoch(0, start_step=4))) == 2  # the next iterator reads on
+    finally:
+        teardown()
+    damage_one_jpeg(shard_dir)
+    cfg = load_config(None, [*base, "data.max_bad_images=0", "train.batch_size=120"])
+    rt = setup(cfg)
+    try:
+        with pytest.raises(ConfigError, match=r"past data.max_bad_images=0"):
+            list(StreamLoader(Streamed(shard_dir, "train"), cfg, rt, 120, Augment(cfg, rt, False, 120, 1), gpu_decode=True).epoch(0))
+    finally:
+        teardown()
+    assert not any(t.name == "gpu-decode-ahead" for t in threading.enumerate())
+
+
 @pytest.mark.slow
 def test_a_resume_at_another_world_size_continues_the_order_with_every_image_once(tmp_path, shard_dir):
     """Real torchrun: 2 processes train 7 steps of the 10-step epoch and stop, 3 processes resume

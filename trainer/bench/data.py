@@ -250,14 +250,15 @@ def main(argv: list[str]) -> int:
     p.add_argument("--images", type=int, default=25600)
     p.add_argument("--steps", type=int, default=100, help="the reference loader's timed steps")
     p.add_argument("--photo", action="store_true", help="500x375 images of about 100 KB (default: 256 px, 12 KB)")
+    p.add_argument("--cases", default="", help="some cases, comma-separated (loader-alone: the three feeds without the model)")
     a = p.parse_args(argv)
-    for r in run(a.out, a.cifar, a.images, a.steps, a.photo):
+    for r in run(a.out, a.cifar, a.images, a.steps, a.photo, tuple(filter(None, a.cases.split(",")))):
         print(json.dumps(r))
     return 0
 
 
-def run(out: Path, cifar: Path, images: int = 25600, steps: int = 100, photo: bool = False) -> list[dict]:
-    """Every case of the suite; the rows, also written to OUT/data-bench.json."""
+def run(out: Path, cifar: Path, images: int = 25600, steps: int = 100, photo: bool = False, only: tuple[str, ...] = ()) -> list[dict]:
+    """Every case of the suite (or those named in ``only``); the rows, also written to OUT/data-bench.json."""
     a = argparse.Namespace(out=out, cifar=cifar, images=images, steps=steps)
     a.out.mkdir(parents=True, exist_ok=True)
     root, shards = a.out / ("photo" if photo else "jpeg256"), a.out / ("shards-photo" if photo else "shards")
@@ -274,16 +275,18 @@ def run(out: Path, cifar: Path, images: int = 25600, steps: int = 100, photo: bo
              ("ours-shards-gpu-decode", ["data.name=shards", f"data.dir={shards}", "data.loader=stream", "data.decode=gpu", *steps]),
              # the ceiling: the same model on synthetic images already on the GPU (a small set: only the step is timed)
              ("ceiling-synthetic-on-gpu", ["data.name=synthetic", "data.synthetic_train_size=12800", "data.synthetic_test_size=256", *steps]),
-             ("ours-shards-x16", ["data.name=shards", f"data.dir={a.out / 'x16'}", "data.loader=stream", *steps])]
+             ("ours-shards-x16", ["data.name=shards", f"data.dir={a.out / 'x16'}", "data.loader=stream", *steps]),
+             ("ours-shards-x16-gpu-decode", ["data.name=shards", f"data.dir={a.out / 'x16'}", "data.loader=stream", "data.decode=gpu", *steps])]
     for name, args in cases:
-        if name.endswith("x16") and os.environ.get("BENCH_SKIP_X16"):
+        if only and name not in only:
             continue
         rows.append(trainer_run(name, args, a.out))
         (a.out / "data-bench.json").write_text(json.dumps(rows, indent=1))
         print(json.dumps(rows[-1]), flush=True)
-    rows.append(reference(root, a.steps))
-    print(json.dumps(rows[-1]), flush=True)
-    for row in loader_alone(shards, root, 60):
+    if not only or "reference-loader" in only:
+        rows.append(reference(root, a.steps))
+        print(json.dumps(rows[-1]), flush=True)
+    for row in loader_alone(shards, root, 60) if not only or "loader-alone" in only else []:
         rows.append(row)
         print(json.dumps(row), flush=True)
     (a.out / "data-bench.json").write_text(json.dumps(rows, indent=1))
@@ -327,10 +330,9 @@ def decode_parts(cifar: Path, n: int = 256, repeat: int = 10) -> list[dict]:
     import tempfile
 
     import torch
+    import torch.nn.functional as F
     import torchvision
     from torchvision.io import ImageReadMode, decode_jpeg
-
-    import torch.nn.functional as F
 
     from trainer.stream import boxes, crop_batch, crop_resize, step_uniforms
 
