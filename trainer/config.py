@@ -91,9 +91,9 @@ class DataConfig:
     would live in, else stream (shards only). The start line says which, and why."""
     decode: Literal["auto", "gpu", "cpu"] = "auto"
     """Streamed JPEGs: decoded by the DataLoader workers on the CPU (cropped and resized there), or
-    on the GPU in batches (nvjpeg; the workers only read bytes; each image cropped and resized on
-    the training thread). auto: cpu, measured faster (BENCHMARKS.md: ResNet-50 on one H100 with 16
-    cores, CPU workers at the model's own pace, the GPU path at a third of it)."""
+    on the GPU in batches (nvjpeg and one batched crop, read ahead on a thread; the workers only
+    read bytes). auto: cpu, measured faster (BENCHMARKS.md: ResNet-50 on one H100 with 16 cores,
+    CPU workers at the model's pace, the GPU path at 0.73-0.79 of it)."""
     max_bad_images: int = 100
     """Streamed images that fail to decode (a damaged shard) are skipped: a copy of another image of
     the same batch takes the place, and a line names the shard. Past this many on one rank the run
