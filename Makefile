@@ -1,7 +1,7 @@
 # Thin aliases around the one entry point (`python -m trainer`). Variables:
 #   CONFIG=configs/default.yaml (run-local: a job that fits the machine)  DATA=<folder of train/ test/ or their .tar.gz, or shards>  ARGS="key=value ..."
 #   NPROC=auto (one per GPU, else 2)  IMAGE=cluster-trainer:0.1.0  REGISTRY (push)  GPUS=8  NODES=2
-#   K8S=multi-node (a job folder of k8s/: trainjob, trainjob-single, multi-node, single-gpu, elastic)  TORCHX_FLAGS (e.g. --dryrun)
+#   K8S=multi-node (a job folder of k8s/: trainjob, trainjob-single, multi-node, single-gpu, elastic, elastic-etcd)  TORCHX_FLAGS (e.g. --dryrun)
 #   TEST_WORKERS=2 SLOW_WORKERS=3 (pytest processes of make test, make test-slow)
 #   NAMESPACE (k8s-storage, k8s-apply: else kubectl's current one)  STORAGE_CLASS (k8s-storage)  ENGINE=docker (or podman)  COMPOSE="docker compose" (or docker-compose, podman-compose)  CHECKPOINTS=checkpoints
 PYTHON ?= python3

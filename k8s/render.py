@@ -163,7 +163,8 @@ def render(docs: list[dict], image: str | None, nodes: int | None, gpus: int | N
 def as_jobs(docs: list[dict]) -> list[dict]:
     """Every pod template as the batch/v1 Job that policy scanners know (checkov skips PyTorchJobs
     and TrainingRuntimes: on our files as shipped it finds 0 resources), each with its job's
-    waivers (checkov.io/skip annotations, with their reasons): `make k8s-checkov`."""
+    waivers (checkov.io/skip annotations, with their reasons), and Deployments as they are:
+    `make k8s-checkov`."""
     jobs = []
     sizes = {d["spec"]["runtimeRef"]["name"]: d["spec"]["trainer"].get("resourcesPerNode") for d in docs if d.get("kind") == "TrainJob"}
     for doc in copy.deepcopy(docs):
@@ -177,6 +178,9 @@ def as_jobs(docs: list[dict]) -> list[dict]:
                 for c in spec["template"]["spec"]["containers"]:
                     if c["name"] == "node" and sizes.get(meta["name"]):
                         c["resources"] = sizes[meta["name"]]
+        elif doc.get("kind") == "Deployment":  # the etcd of k8s/elastic-etcd: checkov knows Deployments as they are
+            jobs.append(doc)
+            continue
         else:
             continue
         for name, spec in specs.items():

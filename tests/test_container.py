@@ -253,8 +253,8 @@ def test_the_image_carries_bytecode_and_runs_as_a_pod_does(image, host):
     os.chown(ck, 10001, 10001)
     pod = ("--read-only", "--tmpfs", "/tmp", "--tmpfs", "/home/trainer:mode=1777", "--cap-drop=ALL", "--security-opt=no-new-privileges")
     cached = sh([ENGINE, "run", "--rm", *pod, "--entrypoint", "python", image, "-c",
-                 "import importlib.util, os, torch; print(os.path.exists(importlib.util.cache_from_source(torch.__file__)), os.getuid())"])
-    assert cached.stdout.split() == ["True", "10001"], cached.stdout + cached.stderr
+                 "import importlib.util, os, torch, etcd; print(os.path.exists(importlib.util.cache_from_source(torch.__file__)), os.getuid())"])
+    assert cached.stdout.split() == ["True", "10001"], cached.stdout + cached.stderr  # python-etcd too: k8s/elastic-etcd's rendezvous
     cmd = docker_run(image, ck, "train.epochs=1", user="10001:10001", extra=pod)
     p = sh(cmd, timeout=300)
     assert p.returncode == 0 and done(ck) == [32], (p.stdout + p.stderr)[-3000:]

@@ -381,28 +381,27 @@ def test_an_elastic_job_goes_on_without_the_host_of_rank_0_and_grows_back_when_i
     assert abs(acc - ref) <= 0.05, (acc, ref)
 
 
-ETCD_PORT = 2379
-
-
-def etcd(bed: Bed, host: str, data: Path) -> Proc:
-    """Debian's etcd-server on ``host`` with the v2 API torchrun's etcd-v2 rendezvous speaks."""
-    proc = Proc(bed, host, ["etcd", "--data-dir", str(data), "--enable-v2", f"--listen-client-urls=http://0.0.0.0:{ETCD_PORT}",
-                            f"--advertise-client-urls=http://{host}:{ETCD_PORT}", "--listen-peer-urls=http://127.0.0.1:2380"], env())
-    proc.when("ready to serve client requests", timeout=60)
-    return proc
-
-
 def test_with_etcd_the_loss_of_rank_0s_host_is_survived_like_any_other_and_the_group_grows_back(tmp_path):
-    """The rendezvous in etcd, on a host that is not a worker (--rdzv-backend=etcd-v2): the host of
-    rank 0, which also holds the workers' store, is lost; the two others go on at world size 2
-    within 30 s (c10d's rendezvous on that host would have ended the job); the host returns and the
-    group grows back to 3; the job finishes."""
-    ckpt = tmp_path / "ckpt"
-    with Bed(4, names=["etcd", "node0", "node1", "node2"]) as bed:
-        etcd(bed, "etcd", tmp_path / "etcd-data")
-        start = lambda h: node(bed, h, ckpt, "etcd-el", *ELASTIC, "train.epochs=30", nnodes="2:3", endpoint="etcd",  # noqa: E731
-                               backend="etcd-v2", port=ETCD_PORT)
-        run = {h: start(h) for h in ("node0", "node1", "node2")}
+    """k8s/elastic-etcd as the operator and the kubelet would run it, each pod a host of the bed
+    named as the pod, the etcd Service's name resolving to the etcd pod's host. etcd runs its
+    Deployment's command (Debian's etcd-server), the workers their container's arguments
+    (--rdzv-backend=etcd-v2 at the Service). The host of rank 0, which also holds the workers'
+    store, is lost; the two others go on at world size 2 (c10d's rendezvous on that host would
+    have ended the job); the host returns and the group grows back to 3; the job finishes."""
+    from test_launchers import local_command
+
+    job = PyTorchJob(tmp_path, *TINY, *ELASTIC, "train.epochs=30", folder="elastic-etcd", pods=3)
+    deployment = next(d for d in job.docs if d["kind"] == "Deployment")
+    service = next(d for d in job.docs if d["kind"] == "Service")
+    etcd_pod = service["metadata"]["name"]
+    args = job.specs["Worker"]["template"]["spec"]["containers"][0]["args"]
+    assert f"--rdzv-endpoint={etcd_pod}:{service['spec']['ports'][0]['port']}" in args and "--rdzv-backend=etcd-v2" in args
+    assert service["spec"]["selector"] == deployment["spec"]["template"]["metadata"]["labels"]
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    with Bed(4, names=[etcd_pod, *job.pods]) as bed:
+        etcd = Proc(bed, etcd_pod, local_command(container, {}, {"/var/lib/etcd": tmp_path / "etcd-data"}, []), env())
+        etcd.when("ready to serve client requests", timeout=60)
+        run = {pod: job.start(bed, pod) for pod in job.pods}
         first = first_of(list(run.values()), r"epoch 3/30 step 4/", timeout=180)[1]
         rank0, others, t_loss, went_on = lose_rank0(bed, run, 30)
         print(f"etcd, elastic 2:3: {rank0} (rank 0's host) lost at {t_loss - first:.0f} s -> training at world size 2 {went_on:.1f} s later")
@@ -412,10 +411,11 @@ def test_with_etcd_the_loss_of_rank_0s_host_is_survived_like_any_other_and_the_g
         assert went_on < 45
         for h in others:
             assert re.search(rf"lost rank 0 \({rank0}\) at step \d+", run[h].out), run[h].out[-3000:]
-        back_s = rejoin(run, rank0, lambda: start(rank0), 30)  # the host is back, the same command
+        back_s = rejoin(run, rank0, lambda: job.start(bed, rank0), 30)  # the pod is back, the same command
         print(f"etcd, elastic 2:3: {rank0} back -> training at world size 3 {back_s:.1f} s after its launch")
         for p in run.values():
             assert p.wait(300) == 0, f"{p.host} exited {p.proc.returncode}\n{p.out[-3000:]}"
+    ckpt = job.paths["/checkpoints"] / job.name
     sizes = [r["world_size"] for r in starts(ckpt)]
     assert sizes == [3, 2, 3] and newest(ckpt).name == "step-300", (sizes, newest(ckpt))
 
@@ -430,13 +430,17 @@ class PyTorchJob:
     the injected environment, init containers, then the pytorch container's command, each pod a host
     of the bed named as the pod (the Service name resolves there)."""
 
-    def __init__(self, tmp_path: Path, *overrides: str):
+    def __init__(self, tmp_path: Path, *overrides: str, folder: str = "multi-node", pods: int | None = None):
         from test_launchers import admit, manifests
 
-        self.job = next(d for d in manifests("multi-node") if d["kind"] == "PyTorchJob")
-        admit(self.job)
+        self.docs = manifests(folder)
+        self.job = next(d for d in self.docs if d["kind"] == "PyTorchJob")
         self.job["spec"]["nprocPerNode"] = "1"  # one CPU process per pod on this machine
         self.name, self.specs = self.job["metadata"]["name"], self.job["spec"]["pytorchReplicaSpecs"]
+        if pods is not None:  # an elastic job of fewer pods: the range one below them to the pods (3 -> 2:3)
+            self.specs["Worker"]["replicas"] = self.job["spec"]["elasticPolicy"]["maxReplicas"] = pods
+            self.job["spec"]["elasticPolicy"]["minReplicas"] = pods - 1
+        admit(self.job)
         self.paths = {"/checkpoints": tmp_path / "checkpoints", "/data": tmp_path / "data"}
         for p in self.paths.values():
             p.mkdir(exist_ok=True)
@@ -449,7 +453,7 @@ class PyTorchJob:
 
         role, i = self.pods[pod]
         template, variables = self.specs[role]["template"]["spec"], operator_env(self.job, role, i)
-        assert variables["MASTER_ADDR"] == self.master  # resolved on every host, as the headless Service is
+        assert variables.get("MASTER_ADDR", self.master) == self.master  # resolved on every host, as the headless Service is
         pod_env = env(**variables)
         for init in template.get("initContainers", []):
             assert bed.run(pod, local_command(init, variables, self.paths, TINY_JOB), env=pod_env, cwd=ROOT, timeout=120).returncode == 0

@@ -28,7 +28,7 @@ from conftest import ROOT, env, free_port, made_once, run, slow_steps
 sys.path.insert(0, str(ROOT / "k8s"))  # render.py, the manifests' renderer
 
 SCHEMAS = ROOT / "tests" / "schemas"
-K8S_DIRS = ["storage", "multi-node", "single-gpu", "elastic", "trainjob", "trainjob-single"]
+K8S_DIRS = ["storage", "multi-node", "single-gpu", "elastic", "elastic-etcd", "trainjob", "trainjob-single"]
 JOB_DIRS = K8S_DIRS[1:]
 CRDS = {"PyTorchJob": "kubeflow.org_pytorchjobs.yaml", "TrainJob": "kubeflow-trainer-v2/trainer.kubeflow.org_trainjobs.yaml",
         "TrainingRuntime": "kubeflow-trainer-v2/trainer.kubeflow.org_trainingruntimes.yaml"}
@@ -81,10 +81,16 @@ def pod_templates(doc: dict) -> dict[str, dict]:
     return {}
 
 
+def every_pod_template(doc: dict) -> dict[str, dict]:
+    """A job's pod templates and a Deployment's (the etcd of k8s/elastic-etcd)."""
+    return {doc["metadata"]["name"]: doc["spec"]["template"]} if doc["kind"] == "Deployment" else pod_templates(doc)
+
+
 def manifests(folder: str) -> list[dict]:
-    """The folder's manifests; an overlay (a kustomization alone, k8s/elastic) as kustomize builds it."""
+    """The folder's manifests; an overlay (a kustomization on another folder: k8s/elastic,
+    k8s/elastic-etcd) as kustomize builds it."""
     files = [f for f in sorted((ROOT / "k8s" / folder).glob("*.yaml")) if f.name != "kustomization.yaml"]
-    if not files:
+    if not files or "../" in (ROOT / "k8s" / folder / "kustomization.yaml").read_text():
         kubectl = shutil.which("kubectl")
         assert kubectl, "kubectl is needed (.ci/run installs Debian's kubernetes-client when it is missing)"
         built = subprocess.run([kubectl, "kustomize", f"k8s/{folder}"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
@@ -103,7 +109,7 @@ def test_dockerfile_is_hadolint_clean_pinned_and_non_root():
     base = re.search(r"^FROM (\S+)", text, re.M).group(1)
     assert re.fullmatch(r"python:3\.\d+-slim-\w+", base), base
     # one torch everywhere: the image installs the constraints CI tests, which pin torch exactly
-    assert re.search(r"COPY [^\n]*constraints\.txt", text) and "-c constraints.txt ." in text
+    assert re.search(r"COPY [^\n]*constraints\.txt", text) and '-c constraints.txt ".[etcd]"' in text  # python-etcd: etcd-v2 rendezvous
     assert not re.search(r"torch==|torchvision==", text), "versions live in constraints.txt alone"
     pins = dict(line.split("==") for line in (ROOT / "constraints.txt").read_text().split() if "==" in line)
     readme = (ROOT / "docs" / "launchers.md").read_text()
@@ -216,7 +222,8 @@ def test_kustomize_builds(folder):
     assert out.returncode == 0, out.stderr
     kinds = [d["kind"] for d in yaml.safe_load_all(out.stdout) if d]
     # the PVCs are theirs alone: `kubectl delete -k k8s/<job>` deletes only what this builds
-    expected = {"storage": ["PersistentVolumeClaim"] * 2, "trainjob": ["TrainingRuntime", "TrainJob"], "trainjob-single": ["TrainingRuntime", "TrainJob"]}
+    expected = {"storage": ["PersistentVolumeClaim"] * 2, "trainjob": ["TrainingRuntime", "TrainJob"], "trainjob-single": ["TrainingRuntime", "TrainJob"],
+                "elastic-etcd": ["Service", "Deployment", "PyTorchJob"]}
     assert kinds == expected.get(folder, ["PyTorchJob"]), kinds
     if folder != "storage":
         assert "ghcr.io/cluster-trainer/cluster-trainer:0.1.0" in out.stdout
@@ -248,8 +255,8 @@ def restricted(pod: dict) -> list[str]:
 
 
 def test_every_pod_passes_pod_security_restricted():
-    pods = [t["spec"] for f in JOB_DIRS for d in manifests(f) for t in pod_templates(d).values()]
-    assert len(pods) == 6
+    pods = [t["spec"] for f in JOB_DIRS for d in manifests(f) for t in every_pod_template(d).values()]
+    assert len(pods) == 8  # elastic-etcd's etcd pod too
     for pod in pods:
         assert restricted(pod) == []
     broken = copy.deepcopy(pods[0])
@@ -279,7 +286,7 @@ def test_checkov_finds_nothing_unwaived_in_the_pod_templates(folder, tmp_path):
     built = subprocess.run(["kubectl", "kustomize", f"k8s/{folder}"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     wrapped = subprocess.run([sys.executable, "k8s/render.py", "--as-jobs"], cwd=ROOT, input=built, capture_output=True, text=True, check=True).stdout
     jobs = [d for d in yaml.safe_load_all(wrapped) if d]
-    assert len(jobs) == sum(len(pod_templates(d)) for d in manifests(folder)) >= 1
+    assert len(jobs) == sum(len(every_pod_template(d)) for d in manifests(folder)) >= 1
     waivers = {v.split("=", 1)[0]: v.split("=", 1)[1] for k, v in jobs[0]["metadata"]["annotations"].items() if k.startswith("checkov.io/skip")}
     assert all(len(reason) > 20 for reason in waivers.values()), waivers  # each with its reason
     (tmp_path / "jobs.yaml").write_text(wrapped)
@@ -374,7 +381,7 @@ def admit(job: dict) -> None:
     specs = job["spec"]["pytorchReplicaSpecs"]
     if "elasticPolicy" in job["spec"]:
         policy = job["spec"]["elasticPolicy"]
-        assert set(specs) == {"Worker"} and policy.get("rdzvBackend", "c10d") == "c10d"
+        assert set(specs) == {"Worker"} and policy.get("rdzvBackend", "c10d") in ("c10d", "etcd", "etcd-v2")
         assert policy["minReplicas"] <= specs["Worker"]["replicas"] <= policy["maxReplicas"]
     else:
         assert "Master" in specs and specs["Master"].get("replicas", 1) == 1
@@ -415,7 +422,7 @@ def local_command(c: dict, variables: dict[str, str], paths: dict[str, Path], ex
         for mount, local in paths.items():
             a = a.replace(f"={mount}", f"={local}")
         out.append(a)
-    exe = {"torchrun": [sys.executable, "-m", "torch.distributed.run"], "trainer": [sys.executable, "-m", "trainer"]}[out[0]]
+    exe = {"torchrun": [sys.executable, "-m", "torch.distributed.run"], "trainer": [sys.executable, "-m", "trainer"], "etcd": ["etcd"]}[out[0]]
     return [*exe, *out[1:], *extra]
 
 
@@ -984,6 +991,29 @@ def test_make_k8s_apply_takes_single_gpu_without_a_size(tools_venv, tmp_path):
                            cwd=ROOT, capture_output=True, text=True, env={**env(), "PATH": f"{fake}:{os.environ['PATH']}"})
         assert p.returncode == 0, p.stderr
         assert "localhost:5000/ct:0.1.0" in (tmp_path / "applied.yaml").read_text()
+
+
+@pytest.mark.slow
+def test_make_k8s_apply_sizes_the_etcd_job_and_leaves_etcd_as_it_is(tools_venv, tmp_path):
+    """k8s/elastic-etcd's own command: the job gets the image and the size, the etcd Deployment
+    keeps etcd's image, and the workers' rendezvous is the etcd Service."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "kubectl").write_text(f"#!/bin/sh\nif [ \"$1\" = kustomize ]; then exec {shutil.which('kubectl') or 'false'} \"$@\"; fi\ncat > {tmp_path}/applied.yaml\n")
+    (fake / "kubectl").chmod(0o755)
+    shown = next(line for line in (ROOT / "k8s" / "elastic-etcd" / "kustomization.yaml").read_text().splitlines() if "make k8s-apply" in line)
+    words = shlex.split(shown.lstrip("# "))
+    p = subprocess.run([*words[:2], "-s", f"TOOLS_VENV={tools_venv}", *words[2:]], cwd=ROOT, capture_output=True, text=True,
+                       env={**env(), "PATH": f"{fake}:{os.environ['PATH']}"})
+    assert p.returncode == 0, p.stderr
+    docs = {d["kind"]: d for d in yaml.safe_load_all((tmp_path / "applied.yaml").read_text())}
+    assert set(docs) == {"Service", "Deployment", "PyTorchJob"}
+    assert docs["Deployment"]["spec"]["template"]["spec"]["containers"][0]["image"].startswith("quay.io/coreos/etcd:")
+    worker = docs["PyTorchJob"]["spec"]["pytorchReplicaSpecs"]["Worker"]
+    c = worker["template"]["spec"]["containers"][0]
+    assert c["image"] == "ghcr.io/you/cluster-trainer:0.1.0" and worker["replicas"] == 4 and c["resources"]["limits"]["nvidia.com/gpu"] == 8
+    service = docs["Service"]
+    assert f"--rdzv-endpoint={service['metadata']['name']}:{service['spec']['ports'][0]['port']}" in c["args"]
 
 
 @pytest.mark.slow
