@@ -50,7 +50,9 @@ def what_next(root: Path | None) -> str:
         return f"run the same command to resume {where}"
     left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if left > 0:
-        return f"torchrun restarts the group {where} once its nodes gather ({left} restart(s) left)"
+        # a try, not an outcome: whether the group re-forms is known only at the rendezvous, and the
+        # launcher's console says it then (re-formed, or cannot reach the rendezvous)
+        return f"torchrun tries to restart the group {where} ({left} restart(s) left)"
     return f"no torchrun restart left: the launcher's retry resumes {where}"
 
 

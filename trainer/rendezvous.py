@@ -49,6 +49,11 @@ STALE_HEARTBEAT_S = 15.0
 missed keep-alives: 3 x 5 s by default)."""
 ELASTIC_LAST_CALL_S = 5
 """An elastic group re-forms this long after its MIN nodes are back (torchrun's default: 30 s)."""
+ETCD_LAST_CALL_S = 2
+"""The same for etcd-v2, shorter: its new round already waits for the lost node's keep-alive key to
+expire (a 10 s TTL, fixed in torch), by which time the nodes still there have announced themselves;
+with 5 s a loss of rank 0's host took 24-25 s to the next step on an idle test bed (31 s under CI's
+load), with 2 s 20-22 s."""
 ELASTIC_KEEP_ALIVE_S = 3
 """Seconds between an elastic job's rendezvous keep-alives (torchrun's default: 5 s)."""
 
@@ -100,14 +105,14 @@ def with_rdzv_defaults(argv: list[str]) -> list[str]:
       30 s (a node that comes later joins at the next re-form); keep_alive_interval =
       ELASTIC_KEEP_ALIVE_S, so that a lost node is dropped from the rendezvous after 3 missed
       keep-alives, 9 s instead of 15 s (one small store write per node that often).
-    - etcd-v2 (a rendezvous in etcd): the same last_call_timeout for an elastic range."""
+    - etcd-v2 (a rendezvous in etcd): last_call_timeout = ETCD_LAST_CALL_S for an elastic range."""
     backend = option(argv, "rdzv-backend")
     if backend not in ("c10d", "etcd-v2"):
         return argv
     conf = rdzv_conf(argv)
     wanted = {"read_timeout": conf.get("join_timeout", "600")} if backend == "c10d" else {}
     if ":" in option(argv, "nnodes", "1"):
-        wanted["last_call_timeout"] = str(ELASTIC_LAST_CALL_S)  # etcd-v2 reads the same key (30 s there too)
+        wanted["last_call_timeout"] = str(ELASTIC_LAST_CALL_S if backend == "c10d" else ETCD_LAST_CALL_S)  # etcd-v2: the same key, 30 s too
         if backend == "c10d":
             wanted["keep_alive_interval"] = str(ELASTIC_KEEP_ALIVE_S)
     if all(k in conf for k in wanted):
