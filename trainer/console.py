@@ -21,7 +21,7 @@ from typing import BinaryIO
 
 NATIVE = re.compile(rb"^(\[rank\d+\]:)?\[?[WEIF]\d{4} \d\d:\d\d:\d\d\.\d+ +\S|^\[c10d\] |^Exception raised from |^frame #\d+: |^terminate called ")
 """A line that opens native output: a glog-style or torch-logging line, a c10d report, a C++ backtrace."""
-CONTINUED = re.compile(rb"^(frame #\d+: |Exception raised from |\(no backtrace available\)|\s*$)")
+CONTINUED = re.compile(rb"^(frame #\d+: |Exception raised from |\(no backtrace available\)|<omitting python frames>|\s*$)")
 """Lines that go on a native block: more backtrace, or blank."""
 
 

@@ -274,8 +274,21 @@ class Reporter:
         every node's sync removes one whose keep-alive stopped (keep_alive_max_attempt missed ones)
         from the participants of the same round, which nothing else does while the group runs."""
         state = self.state()
-        if state is None or getattr(state, "round", None) != self.round or not getattr(state, "complete", False):
-            return  # a new round is forming: torchrun stops its workers itself (with a save)
+        if state is None:
+            return
+        me = socket.gethostname().split(".")[0]
+        if getattr(state, "round", None) != self.round:
+            # a new round: torchrun stops its workers itself (with a save), unless the round was
+            # made without this node while its link was down: then only this node can say so
+            if getattr(state, "complete", False) and me in self.members and me not in {_host(n) for n in _round_nodes(state)}:
+                others = sorted({_host(n) for n in getattr(state, "participants", {})})
+                self.say(f"torchrun: this node ({me}) was cut off: the group re-formed without it ({', '.join(others)}) while its "
+                         "rendezvous keep-alive could not get through; stopping its workers: it joins the group at the next round")
+                kill_children(os.getpid())
+                self.members, self.round = others, getattr(state, "round", None)
+            return
+        if not getattr(state, "complete", False):
+            return
         # one leaving for the next round waits in wait_list; a dead one is nowhere
         present = {_host(n) for n in _round_nodes(state)}
         missing = {m for m in self.members if m not in present}
@@ -283,8 +296,12 @@ class Reporter:
         lost, self._missing = sorted(missing & self._missing), missing
         if not lost:
             return
-        self.say(f"torchrun: {', '.join(lost)} dropped out of the rendezvous (its keep-alive stopped: lost or cut off) while the "
-                 "group trained: stopping this node's workers so that the group re-forms from the newest checkpoint")
+        if me in lost:  # the others' keep-alives got through, this node's did not: it is the one cut off
+            self.say(f"torchrun: this node ({me}) was cut off: it was dropped from the rendezvous while its keep-alive could not "
+                     "get through; stopping its workers: it joins the group at the next round")
+        else:
+            self.say(f"torchrun: {', '.join(lost)} dropped out of the rendezvous (its keep-alive stopped: lost or cut off) while the "
+                     "group trained: stopping this node's workers so that the group re-forms from the newest checkpoint")
         kill_children(os.getpid())
         self.left = lost
 
