@@ -145,11 +145,11 @@ k8s-storage: tools ## the PVCs for data and checkpoints, once (STORAGE_CLASS, NA
 	manifest=$$(kubectl kustomize k8s/storage | $(TOOLS)/python k8s/render.py $(if $(STORAGE_CLASS),--storage-class '$(STORAGE_CLASS)') $(if $(NAMESPACE),--namespace '$(NAMESPACE)')) \
 		&& echo "$$manifest" | kubectl apply -f -
 
-# IMAGE must be pushed (REGISTRY[:PORT]/NAME:TAG or @sha256:DIGEST); K8S=single-gpu is one GPU:
-# NODES or GPUS given with it are checked (only 1 passes). A bad input stops before kubectl apply
-# (render.py: one line, exit 2).
+# IMAGE must be pushed (REGISTRY[:PORT]/NAME:TAG or @sha256:DIGEST). NODES and GPUS resize the job
+# only when given: else the folder's own size stands (a one-GPU folder refuses any other than 1).
+# A bad input stops before kubectl apply (render.py: one line, exit 2).
 given = $(filter command line environment,$(origin $(1)))
-K8S_SIZE = $(if $(filter single-gpu,$(K8S)),$(if $(call given,NODES),--nodes '$(NODES)') $(if $(call given,GPUS),--gpus '$(GPUS)'),--nodes '$(NODES)' --gpus '$(GPUS)')
+K8S_SIZE = $(if $(call given,NODES),--nodes '$(NODES)') $(if $(call given,GPUS),--gpus '$(GPUS)')
 K8S_JOBS := $(filter-out storage,$(notdir $(patsubst %/,%,$(dir $(wildcard k8s/*/kustomization.yaml)))))
 check-k8s = case " $(K8S_JOBS) " in *" $(K8S) "*) ;; *) echo "error: K8S=$(K8S) is not a job folder of k8s/; use one of: $(K8S_JOBS)" >&2; exit 2;; esac
 k8s-apply: tools ## apply the job folder K8S of k8s/ with the pushed IMAGE

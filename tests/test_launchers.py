@@ -993,18 +993,47 @@ def test_make_k8s_apply_takes_single_gpu_without_a_size(tools_venv, tmp_path):
         assert "localhost:5000/ct:0.1.0" in (tmp_path / "applied.yaml").read_text()
 
 
+def fake_kubectl(tmp_path: Path) -> dict[str, str]:
+    """An environment whose kubectl builds kustomizations (the real one) and writes what it would
+    apply to tmp_path/applied.yaml: no cluster here."""
+    fake = tmp_path / "bin"
+    fake.mkdir(exist_ok=True)
+    (fake / "kubectl").write_text(f"#!/bin/sh\nif [ \"$1\" = kustomize ]; then exec {shutil.which('kubectl') or 'false'} \"$@\"; fi\ncat > {tmp_path}/applied.yaml\n")
+    (fake / "kubectl").chmod(0o755)
+    return {**env(), "PATH": f"{fake}:{os.environ['PATH']}"}
+
+
+@pytest.mark.slow
+def test_every_make_k8s_apply_a_manifest_shows_runs_as_written(tools_venv, tmp_path):
+    """The `make k8s-apply ...` line in each kustomization's or manifest's comment, as written
+    (kubectl a stand-in: no cluster): it renders and reaches kubectl apply with the image, and a
+    one-GPU folder's keeps its one GPU (K8S=trainjob-single once exited 2: NODES=2 GPUS=8 by default)."""
+    shown = [(f, line.split("#", 1)[1].strip()) for f in sorted((ROOT / "k8s").glob("*/*.yaml")) for line in f.read_text().splitlines()
+             if line.lstrip().startswith("#") and line.split("#", 1)[1].strip().startswith("make k8s-apply")]
+    assert len(shown) >= 6, shown
+    for f, command in shown:
+        words = shlex.split(command)
+        p = subprocess.run([*words[:2], "-s", f"TOOLS_VENV={tools_venv}", *words[2:]], cwd=ROOT, capture_output=True, text=True,
+                           env=fake_kubectl(tmp_path))
+        assert p.returncode == 0, (f.relative_to(ROOT), command, p.stderr)
+        docs = [d for d in yaml.safe_load_all((tmp_path / "applied.yaml").read_text()) if d]
+        image = next(w.split("=", 1)[1] for w in words if w.startswith("IMAGE="))
+        assert image in (tmp_path / "applied.yaml").read_text(), command
+        job = next(d for d in docs if d["kind"] in ("PyTorchJob", "TrainJob"))
+        if "single" in f.parent.name:
+            from render import one_gpu
+
+            assert one_gpu(job), (command, job["spec"])
+
+
 @pytest.mark.slow
 def test_make_k8s_apply_sizes_the_etcd_job_and_leaves_etcd_as_it_is(tools_venv, tmp_path):
     """k8s/elastic-etcd's own command: the job gets the image and the size, the etcd Deployment
     keeps etcd's image, and the workers' rendezvous is the etcd Service."""
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    (fake / "kubectl").write_text(f"#!/bin/sh\nif [ \"$1\" = kustomize ]; then exec {shutil.which('kubectl') or 'false'} \"$@\"; fi\ncat > {tmp_path}/applied.yaml\n")
-    (fake / "kubectl").chmod(0o755)
     shown = next(line for line in (ROOT / "k8s" / "elastic-etcd" / "kustomization.yaml").read_text().splitlines() if "make k8s-apply" in line)
     words = shlex.split(shown.lstrip("# "))
     p = subprocess.run([*words[:2], "-s", f"TOOLS_VENV={tools_venv}", *words[2:]], cwd=ROOT, capture_output=True, text=True,
-                       env={**env(), "PATH": f"{fake}:{os.environ['PATH']}"})
+                       env=fake_kubectl(tmp_path))
     assert p.returncode == 0, p.stderr
     docs = {d["kind"]: d for d in yaml.safe_load_all((tmp_path / "applied.yaml").read_text())}
     assert set(docs) == {"Service", "Deployment", "PyTorchJob"}
