@@ -164,9 +164,14 @@ k8s-checkov: $(CHECKOV) ## checkov on the pod templates of K8S
 		&& $(CHECKOV) -f $$jobs --framework kubernetes --skip-download --compact --quiet; rc=$$?; rm -f $$jobs; exit $$rc
 
 whole = case "$($(1))" in ""|*[!0-9]*|0*) echo "error: $(1)='$($(1))' is not a whole number of at least 1; pass e.g. $(1)=$(2)" >&2; exit 2;; esac
+# CONFIG and ARGS are checked here as the job's start checks them (trainer check), with the first
+# Python that has torch: a bad key never waits in the queue
+CHECK_PY = $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
 slurm-submit: ## sbatch slurm/ddp.sh on NODES nodes of GPUS GPUs
 	@$(call whole,NODES,2); $(call whole,GPUS,8)
 	@test -f '$(CONFIG)' || { echo "error: CONFIG=$(CONFIG) does not exist; pass a file of configs/ (e.g. CONFIG=configs/default.yaml)" >&2; exit 2; }
+	@if $(CHECK_PY) -c "import torch" 2>/dev/null; then $(CHECK_PY) -m trainer check --config '$(CONFIG)' --nnodes $(NODES) --nproc-per-node $(GPUS) $(ARGS) >/dev/null || exit 2; \
+	else echo "slurm-submit: CONFIG and ARGS not checked here (no Python with torch; make venv): the job checks them when it starts" >&2; fi
 	CONFIG=$(CONFIG) sbatch --nodes=$(NODES) --gpus-per-node=$(GPUS) slurm/ddp.sh $(ARGS)
 
 # TorchX's Volcano job on the cluster of your kubeconfig, with the pushed IMAGE, in NAMESPACE (else

@@ -48,6 +48,9 @@ MAX_RESTARTS=${MAX_RESTARTS:-3}
 MIN_NODES=${MIN_NODES:-${SLURM_NNODES:-1}}
 # A port free on the first node, where this batch script runs: two jobs that share a node never
 # share it (a port from the job id would, for ids 1000 apart). Without python3 here, that formula.
+# The port is free when picked and bound by the first node's torchrun when the step starts, seconds
+# later: a process that takes it in between makes that torchrun fail (a crash exit, which a requeue
+# retries with a new pick). Set RDZV_PORT to a port your site keeps free to close the window.
 pick_port() {
     python3 -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])' 2>/dev/null \
         || echo $((29500 + ${SLURM_JOB_ID:-0} % 1000))

@@ -1060,11 +1060,24 @@ def test_make_k8s_apply_honours_config_and_args(tools_venv, tmp_path):
     assert args[args.index("--config") + 1] == "configs/fast.yaml" and args[-2:] == ["train.epochs=5", "optim.lr=0.2"]
 
 
+def test_make_slurm_submit_checks_the_args_and_passes_them_to_sbatch(tmp_path):
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "sbatch").write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/submitted\n")
+    (fake / "sbatch").chmod(0o755)
+    p = subprocess.run(["make", "-s", "slurm-submit", "NODES=2", "GPUS=8", "ARGS=train.epochs=3 optim.lr=0.2"], cwd=ROOT, capture_output=True,
+                       text=True, env={**env(), "PATH": f"{fake}:{os.environ['PATH']}"})
+    assert p.returncode == 0 and not p.stderr, p.stderr
+    assert (tmp_path / "submitted").read_text().split() == ["--nodes=2", "--gpus-per-node=8", "slurm/ddp.sh", "train.epochs=3", "optim.lr=0.2"]
+
+
 @pytest.mark.parametrize("args, words", [
     (["NODES=abc"], "NODES='abc' is not a whole number of at least 1"),
     (["GPUS=-1"], "GPUS='-1' is not a whole number"),
     (["NODES=0"], "NODES='0' is not a whole number"),
     (["CONFIG=configs/nope.yaml"], "CONFIG=configs/nope.yaml does not exist"),
+    (["ARGS=train.epoch=3"], "unknown config key 'train.epoch'; did you mean train.epochs?"),
+    (["NODES=3", "GPUS=7"], "is not a multiple of"),
 ])
 def test_make_slurm_submit_refuses_bad_input_before_sbatch(tmp_path, args, words):
     fake = tmp_path / "bin"
