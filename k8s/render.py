@@ -125,13 +125,16 @@ def _pytorchjob(spec: dict, nodes: int | None, gpus: int | None) -> None:
 
 
 def render(docs: list[dict], image: str | None, nodes: int | None, gpus: int | None, storage_class: str | None = None,
-           namespace: str | None = None, config: str | None = None, args: list[str] | None = None) -> list[dict]:
+           namespace: str | None = None, config: str | None = None, args: list[str] | None = None, gang: bool = True) -> list[dict]:
     check(docs, image, nodes, gpus, storage_class, namespace)
     if config is not None or args:
         check_run(config, args or [])
     for doc in docs:
         if namespace:
             doc["metadata"]["namespace"] = namespace
+        if not gang:  # a cluster with no gang scheduler: no PodGroup, no minAvailable
+            doc.get("spec", {}).pop("podGroupPolicy", None)
+            doc.get("spec", {}).get("runPolicy", {}).pop("schedulingPolicy", None)
         if doc.get("kind") == "PersistentVolumeClaim":
             doc["spec"]["storageClassName"] = storage_class
         if doc.get("kind") == "PyTorchJob":
@@ -209,6 +212,7 @@ def main() -> None:
     p.add_argument("--namespace")
     p.add_argument("--config", help="a config of configs/ (it ships in the image)")
     p.add_argument("--args", help="overrides for the trainer, key=value ... (make's ARGS)")
+    p.add_argument("--no-gang", action="store_true", help="leave out gang scheduling (podGroupPolicy, minAvailable): make's GANG=off")
     p.add_argument("--as-jobs", action="store_true", help="every pod template as a batch/v1 Job, with its waivers (for checkov)")
     p.add_argument("--check-image", metavar="IMAGE", help="only check that a cluster can pull IMAGE")
     a = p.parse_args()
@@ -225,7 +229,7 @@ def main() -> None:
         return
     try:
         out = render(docs, a.image, count("nodes", a.nodes), count("gpus", a.gpus), a.storage_class, a.namespace, a.config,
-                     shlex.split(a.args) if a.args else None)
+                     shlex.split(a.args) if a.args else None, gang=not a.no_gang)
     except RenderError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -969,6 +969,7 @@ def test_the_cluster_targets_need_only_a_small_venv_without_torch(tools_venv):
     (["K8S=storage"], "K8S=storage is not a job folder"),
     (["CONFIG=configs/mine.yaml"], "CONFIG=configs/mine.yaml is not in the image"),
     (["ARGS=train.epoch=3"], "train.epoch"),
+    (["GANG=maybe"], "GANG=maybe is neither on nor off"),
 ])
 def test_make_k8s_apply_refuses_a_bad_size_in_one_line(tools_venv, args, words):
     p = subprocess.run(["make", "-s", "k8s-apply", f"TOOLS_VENV={tools_venv}", "IMAGE=registry.example.com:5000/team/ct:0.1.0", *args],
@@ -1024,6 +1025,22 @@ def test_every_make_k8s_apply_a_manifest_shows_runs_as_written(tools_venv, tmp_p
             from render import one_gpu
 
             assert one_gpu(job), (command, job["spec"])
+
+
+@pytest.mark.slow
+def test_gang_scheduling_ships_on_and_gang_off_leaves_it_out(tools_venv, tmp_path):
+    """The Trainer v2 runtime asks for coscheduling's PodGroup, the PyTorchJob for minAvailable;
+    GANG=off (a cluster with no gang scheduler) renders neither."""
+    runtime = next(d for d in manifests("trainjob") if d["kind"] == "TrainingRuntime")
+    assert runtime["spec"]["podGroupPolicy"] == {"coscheduling": {"scheduleTimeoutSeconds": 300}}
+    for folder, kind in (("trainjob", "TrainingRuntime"), ("multi-node", "PyTorchJob")):
+        for gang in ("on", "off"):
+            p = subprocess.run(["make", "-s", "k8s-apply", f"TOOLS_VENV={tools_venv}", f"K8S={folder}", "IMAGE=localhost:5000/ct:0.1.0",
+                                f"GANG={gang}"], cwd=ROOT, capture_output=True, text=True, env=fake_kubectl(tmp_path))
+            assert p.returncode == 0, p.stderr
+            doc = next(d for d in yaml.safe_load_all((tmp_path / "applied.yaml").read_text()) if d and d["kind"] == kind)
+            asked = "podGroupPolicy" in doc["spec"] or "schedulingPolicy" in doc["spec"].get("runPolicy", {})
+            assert asked == (gang == "on"), (folder, gang, doc["spec"])
 
 
 @pytest.mark.slow
