@@ -157,7 +157,8 @@ k8s-apply: tools ## apply the job folder K8S of k8s/ with the pushed IMAGE
 	@$(check-k8s)
 	@case "$(GANG)" in ""|on|off) ;; *) echo "error: GANG=$(GANG) is neither on nor off; pass GANG=off on a cluster without gang scheduling" >&2; exit 2;; esac
 	manifest=$$(kubectl kustomize k8s/$(K8S) | $(TOOLS)/python k8s/render.py --image '$(IMAGE)' $(K8S_SIZE) $(if $(NAMESPACE),--namespace '$(NAMESPACE)') $(if $(filter off,$(GANG)),--no-gang) \
-		$(if $(call given,CONFIG),--config '$(CONFIG)') $(if $(ARGS),--args '$(ARGS)')) && echo "$$manifest" | kubectl apply -f -
+		$(if $(call given,CONFIG),--config '$(CONFIG)') $(if $(ARGS),--args '$(ARGS)')) \
+		&& echo "$$manifest" | $(TOOLS)/python k8s/render.py --check-existing && echo "$$manifest" | kubectl apply -f -
 
 # checkov on what ships: every pod template of K8S as the Job checkov knows, with the manifest's waivers
 k8s-checkov: $(CHECKOV) ## checkov on the pod templates of K8S

@@ -194,6 +194,28 @@ def as_jobs(docs: list[dict]) -> list[dict]:
     return jobs
 
 
+def check_existing(docs: list[dict], kubectl: str = "kubectl") -> None:
+    """A TrainJob that already exists with other trainer settings: refused before anything is
+    applied (its spec.trainer cannot change, and the runtime in the same apply would change first)."""
+    import json
+    import subprocess
+
+    for doc in docs:
+        if doc.get("kind") != "TrainJob":
+            continue
+        name, ns = doc["metadata"]["name"], doc["metadata"].get("namespace")
+        cmd = [kubectl, "get", "trainjob", name, "-o", "json", "--ignore-not-found", *(["-n", ns] if ns else [])]
+        p = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        if p.returncode != 0 or not p.stdout.strip():
+            continue  # none (or no cluster: kubectl apply says so next)
+        live, wanted = json.loads(p.stdout)["spec"].get("trainer", {}), doc["spec"]["trainer"]
+        changed = sorted(k for k in wanted if live.get(k) != wanted[k])
+        if changed:
+            raise RenderError(f"TrainJob {name} exists with other {', '.join(changed)} (a TrainJob's trainer settings cannot change); "
+                              f"delete it first (kubectl delete trainjob {name}{f' -n {ns}' if ns else ''}; its checkpoints stay on "
+                              "their PVC and the new job resumes from them), then run make k8s-apply again")
+
+
 def count(flag: str, value: str | None) -> int | None:
     """A whole number from make's NODES=/GPUS= (the error names the make variable)."""
     if value is None:
@@ -213,6 +235,7 @@ def main() -> None:
     p.add_argument("--config", help="a config of configs/ (it ships in the image)")
     p.add_argument("--args", help="overrides for the trainer, key=value ... (make's ARGS)")
     p.add_argument("--no-gang", action="store_true", help="leave out gang scheduling (podGroupPolicy, minAvailable): make's GANG=off")
+    p.add_argument("--check-existing", action="store_true", help="refuse a rendered TrainJob that exists with other trainer settings")
     p.add_argument("--as-jobs", action="store_true", help="every pod template as a batch/v1 Job, with its waivers (for checkov)")
     p.add_argument("--check-image", metavar="IMAGE", help="only check that a cluster can pull IMAGE")
     a = p.parse_args()
@@ -226,6 +249,13 @@ def main() -> None:
     docs = [d for d in yaml.safe_load_all(sys.stdin) if d]
     if a.as_jobs:
         yaml.safe_dump_all(as_jobs(docs), sys.stdout, sort_keys=False)
+        return
+    if a.check_existing:
+        try:
+            check_existing(docs)
+        except RenderError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
         return
     try:
         out = render(docs, a.image, count("nodes", a.nodes), count("gpus", a.gpus), a.storage_class, a.namespace, a.config,

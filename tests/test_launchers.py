@@ -999,9 +999,28 @@ def fake_kubectl(tmp_path: Path) -> dict[str, str]:
     apply to tmp_path/applied.yaml: no cluster here."""
     fake = tmp_path / "bin"
     fake.mkdir(exist_ok=True)
-    (fake / "kubectl").write_text(f"#!/bin/sh\nif [ \"$1\" = kustomize ]; then exec {shutil.which('kubectl') or 'false'} \"$@\"; fi\ncat > {tmp_path}/applied.yaml\n")
+    (fake / "kubectl").write_text(f"#!/bin/sh\nif [ \"$1\" = kustomize ]; then exec {shutil.which('kubectl') or 'false'} \"$@\"; fi\n"
+                                  f"if [ \"$1\" = get ]; then cat {tmp_path}/existing.json 2>/dev/null; exit 0; fi\ncat > {tmp_path}/applied.yaml\n")
     (fake / "kubectl").chmod(0o755)
     return {**env(), "PATH": f"{fake}:{os.environ['PATH']}"}
+
+
+@pytest.mark.slow
+def test_make_k8s_apply_refuses_to_change_a_trainjob_that_exists(tools_venv, tmp_path):
+    """A TrainJob's spec.trainer cannot change: applying other NODES over an existing job is refused
+    in one line before anything is applied (the runtime would have changed first); the same
+    settings apply again."""
+    e = fake_kubectl(tmp_path)
+    base = ["make", "-s", "k8s-apply", f"TOOLS_VENV={tools_venv}", "K8S=trainjob", "IMAGE=localhost:5000/ct:0.1.0"]
+    assert subprocess.run([*base, "NODES=2", "GPUS=8"], cwd=ROOT, capture_output=True, text=True, env=e).returncode == 0
+    job = next(d for d in yaml.safe_load_all((tmp_path / "applied.yaml").read_text()) if d and d["kind"] == "TrainJob")
+    (tmp_path / "existing.json").write_text(json.dumps({**job, "status": {}}))  # what the API server holds now
+    (tmp_path / "applied.yaml").unlink()
+    p = subprocess.run([*base, "NODES=4", "GPUS=8"], cwd=ROOT, capture_output=True, text=True, env=e)
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
+    assert p.returncode != 0 and len(errors) == 1 and "TrainJob cifar-ddp-v2 exists with other numNodes" in errors[0], p.stderr
+    assert "kubectl delete trainjob cifar-ddp-v2" in errors[0] and not (tmp_path / "applied.yaml").exists()
+    assert subprocess.run([*base, "NODES=2", "GPUS=8"], cwd=ROOT, capture_output=True, text=True, env=e).returncode == 0
 
 
 @pytest.mark.slow
