@@ -164,8 +164,12 @@ def kill_hung_workers(folder: Path, margin_s: float = HEARTBEAT_MARGIN_S) -> lis
         state = process_state(info["pid"])
         if state is None or state.startswith(("Z", "X")):
             continue  # gone already, or exited and not yet reaped by torchrun (its attempt is ending)
+        from trainer.watchdog import last_step
+
+        step = last_step(folder, info["rank"])  # exact: the heartbeat file's is up to a second old
+        step = info["step"] if step is None else step
         line = (f"trainer torchrun: rank {info['rank']} (pid {info['pid']}, state {state}) has made no progress for {age:.0f} s "
-                f"after step {info['step']} and its own watchdog did not act (bound {info['bound_s']:.0f} s, dist.hang_timeout_s): "
+                f"after step {step} and its own watchdog did not act (bound {info['bound_s']:.0f} s, dist.hang_timeout_s): "
                 "killing it so that torchrun restarts from the newest checkpoint")
         try:
             with open(info["hang_file"], "a") as f:

@@ -70,6 +70,10 @@ PUBLISH_S = 2.0
 STORE_TIMEOUT_S = 5.0
 NOTE_WAIT_S = 3.0
 """How long a rank that lost a connection waits for the others' notes before naming the silent ones."""
+NOTE_WAIT_MORE_S = 8.0
+"""While more than one rank is silent at NOTE_WAIT_S, it waits for their notes up to this long: a
+survivor slowed by the machine's load notes late (with 3 s alone, one was named in the lost host's
+place under CI's load)."""
 
 
 class Watchdog:
@@ -93,6 +97,11 @@ class Watchdog:
         self._thread: threading.Thread | None = None
         folder = os.environ.get(EXIT_DIR_ENV)
         self._heartbeat = Path(folder) / f"hb-{rank}" if folder else None
+        self._step_file = step_file(Path(folder), rank) if folder else None
+        self._step_map = None
+        """This rank's last finished step, 8 bytes of a shared mapping written at every step (a memory
+        store, no system call): what the supervisor reports of a stopped worker, exactly, where the
+        heartbeat file is rewritten once a second."""
         self.peers = Peers(rank, world_size) if world_size > 1 else None
 
     @property
@@ -115,9 +124,12 @@ class Watchdog:
             self._pause(now - self.last, kind)
         if step is not None:
             self.step = step
+            if self._step_map is not None:
+                self._step_map[:8] = step.to_bytes(8, "little", signed=True)
         self._last_kind = kind
         first, self.last = self.last is None, now
         if first and self.enabled:
+            self._map_step()
             self._write_heartbeat(self.bound_s)
             self._thread = threading.Thread(target=self._watch, name="hang-watchdog", daemon=True)
             self._thread.start()
@@ -145,6 +157,23 @@ class Watchdog:
         faulthandler.cancel_dump_traceback_later()
         if self._heartbeat is not None:
             self._heartbeat.unlink(missing_ok=True)
+        if self._step_map is not None:
+            self._step_map.close()
+            self._step_map = None
+            self._step_file.unlink(missing_ok=True)
+
+    def _map_step(self) -> None:
+        if self._step_file is None:
+            return
+        import mmap
+
+        try:
+            with open(self._step_file, "wb+") as f:
+                f.write(self.step.to_bytes(8, "little", signed=True))
+                f.flush()
+                self._step_map = mmap.mmap(f.fileno(), 8)
+        except OSError:
+            self._step_map = None
 
     # ---------------------------------------------------------------------------------------------
     def _watch(self) -> None:
@@ -198,6 +227,18 @@ class Watchdog:
         say(line)
         record_exit(EXIT_HUNG, line)  # for the supervisor: where the job was when a node is not back
         os._exit(EXIT_HUNG)  # the main thread is stuck: no cleanup can be trusted to finish
+
+
+def step_file(folder: Path, rank: int) -> Path:
+    return folder / f"step-{rank}"
+
+
+def last_step(folder: Path, rank: int) -> int | None:
+    """The last step a worker of ``rank`` finished, from its shared mapping (None if it has none)."""
+    try:
+        return int.from_bytes(step_file(folder, rank).read_bytes()[:8], "little", signed=True)
+    except (OSError, ValueError):
+        return None
 
 
 class Peers:
@@ -264,15 +305,17 @@ class Peers:
     def lost(self, hosts: list[tuple[str, list[str]]], wait_s: float = NOTE_WAIT_S) -> list[tuple[int, str]] | None:
         """After a lost connection: the ranks that are gone, not the ones that failed because of
         them. Every rank that fails notes it in the store (``note_failure``); the ranks with no note
-        after ``wait_s`` are the lost ones. None when it cannot tell."""
+        after ``wait_s`` are the lost ones (up to NOTE_WAIT_MORE_S while more than one is silent). None
+        when it cannot tell."""
         host = lambda r: hosts[r][0] if r < len(hosts) else "?"  # noqa: E731
         if not self.note_failure():  # the store is in rank 0's process: its host is the one lost
             return [(0, host(0))] if self.rank != 0 else None
         try:
-            store, deadline = self._connect(), time.monotonic() + wait_s
+            store, start = self._connect(), time.monotonic()
             while True:
                 silent = [r for r in range(self.world_size) if r != self.rank and not store.check([f"{self._prefix}/failed/{r}"])]
-                if not silent or time.monotonic() >= deadline:
+                waited = time.monotonic() - start
+                if not silent or (waited >= wait_s and len(silent) <= 1) or waited >= max(wait_s, NOTE_WAIT_MORE_S):
                     return [(r, host(r)) for r in silent] or None
                 time.sleep(0.2)
         except Exception:  # noqa: BLE001
