@@ -173,7 +173,7 @@ CHECK_PY = $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
 slurm-submit: ## sbatch slurm/ddp.sh on NODES nodes of GPUS GPUs
 	@$(call whole,NODES,2); $(call whole,GPUS,8)
 	@test -f '$(CONFIG)' || { echo "error: CONFIG=$(CONFIG) does not exist; pass a file of configs/ (e.g. CONFIG=configs/default.yaml)" >&2; exit 2; }
-	@if $(CHECK_PY) -c "import torch" 2>/dev/null; then $(CHECK_PY) -m trainer check --config '$(CONFIG)' --nnodes $(NODES) --nproc-per-node $(GPUS) $(ARGS) >/dev/null || exit 2; \
+	@if $(CHECK_PY) -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)" 2>/dev/null; then $(CHECK_PY) -m trainer check --config '$(CONFIG)' --nnodes $(NODES) --nproc-per-node $(GPUS) $(ARGS) >/dev/null || exit 2; \
 	else echo "slurm-submit: CONFIG and ARGS not checked here (no Python with torch; make venv): the job checks them when it starts" >&2; fi
 	CONFIG=$(CONFIG) sbatch --nodes=$(NODES) --gpus-per-node=$(GPUS) slurm/ddp.sh $(ARGS)
 

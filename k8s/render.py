@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import re
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -197,9 +199,6 @@ def as_jobs(docs: list[dict]) -> list[dict]:
 def check_existing(docs: list[dict], kubectl: str = "kubectl") -> None:
     """A TrainJob that already exists with other trainer settings: refused before anything is
     applied (its spec.trainer cannot change, and the runtime in the same apply would change first)."""
-    import json
-    import subprocess
-
     for doc in docs:
         if doc.get("kind") != "TrainJob":
             continue

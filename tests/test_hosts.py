@@ -320,6 +320,14 @@ def lose_rank0(bed: Bed, run: dict[str, Proc], epochs: int) -> tuple[str, list[s
     return rank0, others, t_loss, leader.when(rf"epoch \d+/{epochs} step \d+/", after=t_formed) - t_loss
 
 
+def survivors_name_the_loss(run: dict[str, Proc], others: list[str], rank0: str) -> None:
+    """Every survivor says which rank it lost, and one names rank 0 on its host. Under CI's load the
+    other may name the other survivor, whose worker left first without a note (the peer of its
+    broken connection)."""
+    said = [re.search(r"lost rank (\d+) \((\S+)\) at step \d+", run[h].out) for h in others]
+    assert all(said) and any(m.groups() == ("0", rank0) for m in said), [run[h].out[-3000:] for h in others]
+
+
 def rejoin(run: dict[str, Proc], host: str, start, epochs: int) -> float:
     """``host`` back (``start()``: the same command): seconds from its launch to training at world size 3."""
     t_back = time.time()
@@ -353,10 +361,7 @@ def test_an_elastic_job_goes_on_without_the_host_of_rank_0_and_grows_back_when_i
         assert went_on < 30
         for h in others:
             assert re.search(rf"torchrun: the group re-formed with 2 node\(s\) \(.*; {rank0} left\)", run[h].out), run[h].out[-3000:]
-        # every survivor says what it lost; under CI's load one may name the other survivor, whose
-        # worker left first without a note (the peer of its broken connection), not rank 0
-        said = [re.search(r"lost rank (\d+) \((\S+)\) at step \d+", run[h].out) for h in others]
-        assert all(said) and any(m.groups() == ("0", rank0) for m in said), [run[h].out[-3000:] for h in others]
+        survivors_name_the_loss(run, others, rank0)
         time.sleep(3)  # duration: the host stays away
         back_s = rejoin(run, rank0, lambda: node(bed, rank0, ckpt, "el", *ELASTIC, nnodes="2:3", endpoint="rdzv"), 50)
         print(f"elastic 2:3: {rank0} back -> training at world size 3 {back_s:.1f} s after its launch")
@@ -421,8 +426,7 @@ def test_with_etcd_the_loss_of_rank_0s_host_is_survived_like_any_other_and_the_g
         # 20-22.5 s on an idle 2-core machine, 19.5 and 32.2 s in two CI runs: etcd-v2 waits for the
         # lost node's keep-alive key to expire (its 10 s TTL, fixed in torch), then 2 s of last call
         assert went_on < 45
-        said = [re.search(r"lost rank (\d+) \((\S+)\) at step \d+", run[h].out) for h in others]
-        assert all(said) and any(m.groups() == ("0", rank0) for m in said), [run[h].out[-3000:] for h in others]
+        survivors_name_the_loss(run, others, rank0)
         back_s = rejoin(run, rank0, lambda: job.start(bed, rank0), 30)  # the pod is back, the same command
         print(f"etcd, elastic 2:3: {rank0} back -> training at world size 3 {back_s:.1f} s after its launch")
         for p in run.values():

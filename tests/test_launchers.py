@@ -983,13 +983,9 @@ def test_make_k8s_apply_refuses_a_bad_size_in_one_line(tools_venv, args, words):
 def test_make_k8s_apply_takes_single_gpu_without_a_size(tools_venv, tmp_path):
     """K8S=single-gpu with neither NODES nor GPUS (or both 1) renders and reaches kubectl apply
     (a stand-in kubectl here: no cluster), which gets the image."""
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    (fake / "kubectl").write_text(f"#!/bin/sh\nif [ \"$1\" = kustomize ]; then exec {shutil.which('kubectl') or 'false'} \"$@\"; fi\ncat > {tmp_path}/applied.yaml\n")
-    (fake / "kubectl").chmod(0o755)
     for extra in ([], ["GPUS=1", "NODES=1"]):
         p = subprocess.run(["make", "-s", "k8s-apply", f"TOOLS_VENV={tools_venv}", "K8S=single-gpu", "IMAGE=localhost:5000/ct:0.1.0", *extra],
-                           cwd=ROOT, capture_output=True, text=True, env={**env(), "PATH": f"{fake}:{os.environ['PATH']}"})
+                           cwd=ROOT, capture_output=True, text=True, env=fake_kubectl(tmp_path))
         assert p.returncode == 0, p.stderr
         assert "localhost:5000/ct:0.1.0" in (tmp_path / "applied.yaml").read_text()
 
@@ -1083,13 +1079,9 @@ def test_make_k8s_apply_sizes_the_etcd_job_and_leaves_etcd_as_it_is(tools_venv, 
 
 @pytest.mark.slow
 def test_make_k8s_apply_honours_config_and_args(tools_venv, tmp_path):
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    (fake / "kubectl").write_text(f"#!/bin/sh\nif [ \"$1\" = kustomize ]; then exec {shutil.which('kubectl') or 'false'} \"$@\"; fi\ncat > {tmp_path}/applied.yaml\n")
-    (fake / "kubectl").chmod(0o755)
     p = subprocess.run(["make", "-s", "k8s-apply", f"TOOLS_VENV={tools_venv}", "K8S=trainjob", "IMAGE=localhost:5000/ct:0.1.0",
                         "CONFIG=configs/fast.yaml", "ARGS=train.epochs=5 optim.lr=0.2"],
-                       cwd=ROOT, capture_output=True, text=True, env={**env(), "PATH": f"{fake}:{os.environ['PATH']}"})
+                       cwd=ROOT, capture_output=True, text=True, env=fake_kubectl(tmp_path))
     assert p.returncode == 0, p.stderr
     runtime = next(d for d in yaml.safe_load_all((tmp_path / "applied.yaml").read_text()) if d["kind"] == "TrainingRuntime")
     args = pod_templates(runtime)["node"]["spec"]["containers"][0]["args"]

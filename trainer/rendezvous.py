@@ -274,36 +274,37 @@ class Reporter:
         every node's sync removes one whose keep-alive stopped (keep_alive_max_attempt missed ones)
         from the participants of the same round, which nothing else does while the group runs."""
         state = self.state()
-        if state is None:
+        if state is None or not getattr(state, "complete", False):
             return
         me = socket.gethostname().split(".")[0]
+        # one leaving for the next round waits in wait_list; a dead one is nowhere
+        present = {_host(n) for n in _round_nodes(state)}
         if getattr(state, "round", None) != self.round:
             # a new round: torchrun stops its workers itself (with a save), unless the round was
             # made without this node while its link was down: then only this node can say so
-            if getattr(state, "complete", False) and me in self.members and me not in {_host(n) for n in _round_nodes(state)}:
+            if me in self.members and me not in present:
                 others = sorted({_host(n) for n in getattr(state, "participants", {})})
-                self.say(f"torchrun: this node ({me}) was cut off: the group re-formed without it ({', '.join(others)}) while its "
-                         "rendezvous keep-alive could not get through; stopping its workers: it joins the group at the next round")
-                kill_children(os.getpid())
+                self._cut_off(me, f"the group re-formed without it ({', '.join(others)})")
                 self.members, self.round = others, getattr(state, "round", None)
             return
-        if not getattr(state, "complete", False):
-            return
-        # one leaving for the next round waits in wait_list; a dead one is nowhere
-        present = {_host(n) for n in _round_nodes(state)}
         missing = {m for m in self.members if m not in present}
         # missing at two checks in a row: not a node between two steps of its own
         lost, self._missing = sorted(missing & self._missing), missing
         if not lost:
             return
         if me in lost:  # the others' keep-alives got through, this node's did not: it is the one cut off
-            self.say(f"torchrun: this node ({me}) was cut off: it was dropped from the rendezvous while its keep-alive could not "
-                     "get through; stopping its workers: it joins the group at the next round")
+            self._cut_off(me, "it was dropped from the rendezvous")
         else:
             self.say(f"torchrun: {', '.join(lost)} dropped out of the rendezvous (its keep-alive stopped: lost or cut off) while the "
                      "group trained: stopping this node's workers so that the group re-forms from the newest checkpoint")
-        kill_children(os.getpid())
+            kill_children(os.getpid())
         self.left = lost
+
+    def _cut_off(self, me: str, how: str) -> None:
+        """This node was the one cut off: say so (not that the others left) and stop its workers."""
+        self.say(f"torchrun: this node ({me}) was cut off: {how} while its rendezvous keep-alive could not get through; "
+                 "stopping its workers: it joins the group at the next round")
+        kill_children(os.getpid())
 
     def _joined(self) -> None:
         """Workers run again: the group formed. Say so when its nodes are not the last group's."""

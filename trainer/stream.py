@@ -29,7 +29,10 @@ the shard and key, and past ``data.max_bad_images`` on one rank the run stops wi
 
 from __future__ import annotations
 
+import contextlib
 import math
+import queue
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -111,15 +114,28 @@ class StepBatches(Dataset):
         return x, labels, idx, bad
 
 
-def fill_bad(images: list, bad: list[int], labels: torch.Tensor, where: list[str]):
-    """Stack the batch; a place whose image did not decode takes a copy of the first good one
-    (image and label), and its shard and key are returned for the count and the line."""
+def decode_each(raws: list[torch.Tensor], decode) -> tuple[list, list[int]]:
+    """Each JPEG decoded alone: the images (None where one does not decode) and those places."""
+    images, bad = [], []
+    for j, raw in enumerate(raws):
+        try:
+            images.append(decode(raw))
+        except RuntimeError:
+            images.append(None)
+            bad.append(j)
+    return images, bad
+
+
+def fill_bad(images: list, at: list, mirror: list, labels: torch.Tensor, bad: list[int], where: list[str]) -> list[str]:
+    """Before the crops: a place whose image did not decode takes the first good one (image, box,
+    mirror flag and label: a copy of its crop), in place; the shard and key of each such place,
+    for the count and the line. The batch keeps its shape (compiled steps and CUDA graphs need it)."""
     good = next((j for j in range(len(images)) if images[j] is not None), None)
     if good is None:
         raise ConfigError(f"no image of a batch decodes (first: {where[0]}); the shards are damaged: write them again")
     for j in bad:
-        images[j], labels[j] = images[good], labels[good]
-    return torch.stack(images), labels, [where[j] for j in bad]
+        images[j], at[j], mirror[j], labels[j] = images[good], at[good], mirror[good], labels[good]
+    return [where[j] for j in bad]
 
 
 def one_buffer(raws: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
@@ -238,20 +254,10 @@ def decode_on_gpu(raws: tuple[torch.Tensor, list[int]], labels: torch.Tensor, wh
     try:
         images, bad = decode_jpeg(views, mode=ImageReadMode.RGB, device=device), []
     except RuntimeError:  # one bad JPEG fails the batched call: decode one by one to find it
-        images, bad = [], []
-        for j, raw in enumerate(views):
-            try:
-                images.append(decode_jpeg(raw, mode=ImageReadMode.RGB, device=device))
-            except RuntimeError:
-                images.append(None)
-                bad.append(j)
+        images, bad = decode_each(views, lambda raw: decode_jpeg(raw, mode=ImageReadMode.RGB, device=device))
     at, mirror = boxes(images, size, u, flip)
-    good = next((j for j in range(len(images)) if images[j] is not None), None)
-    if good is None:
-        return fill_bad(images, bad, labels, where)  # says that no image of the batch decodes
-    for j in bad:  # as fill_bad: the first good image (its crop and label) in the bad one's place
-        images[j], at[j], mirror[j], labels[j] = images[good], at[good], mirror[good], labels[good]
-    return crop_batch(images, at, mirror, size), labels, [where[j] for j in bad]
+    lost = fill_bad(images, at, mirror, labels, bad, where)
+    return crop_batch(images, at, mirror, size), labels, lost
 
 
 def crop_batch(images: list[torch.Tensor], at: list, mirror: list[bool], size: int, chunk_values: int = 1 << 28) -> torch.Tensor:
@@ -292,18 +298,13 @@ class DecodeAhead:
     batch where it happened. On the CPU (tests) the same thread runs without streams."""
 
     def __init__(self, items: Iterator, prepare, device: torch.device, depth: int = 2):
-        import queue
-        import threading
-
-        self._q, self._stop, self._full = queue.Queue(depth), threading.Event(), queue.Full
+        self._q, self._stop = queue.Queue(depth), threading.Event()
         self._cuda = device.type == "cuda"
         self._side = torch.cuda.Stream(device) if self._cuda else None
         self._thread = threading.Thread(target=self._run, args=(items, prepare), name="gpu-decode-ahead", daemon=True)
         self._thread.start()
 
     def _run(self, items: Iterator, prepare) -> None:
-        import contextlib
-
         try:
             with torch.cuda.stream(self._side) if self._cuda else contextlib.nullcontext():
                 for item in items:
@@ -323,7 +324,7 @@ class DecodeAhead:
             try:
                 self._q.put(got, timeout=0.1)
                 return True
-            except self._full:
+            except queue.Full:
                 continue
         return False
 
@@ -414,15 +415,7 @@ def read(shards: ShardSet, ids) -> tuple[list[torch.Tensor], torch.Tensor, list[
 
 def decode_crop_cpu(raws, labels, where, size: int, u: torch.Tensor | None, flip: bool):
     """The CPU path of :func:`decode_on_gpu`, in a worker: uint8 [n, 3, size, size]."""
-    images, bad = [], []
-    for j, raw in enumerate(raws):
-        try:
-            img = decode_cpu(raw)
-        except RuntimeError:
-            images.append(None)
-            bad.append(j)
-            continue
-        images.append(img)
+    images, bad = decode_each(raws, decode_cpu)
     at, mirror = boxes(images, size, u, flip)
-    out = [None if img is None else crop_resize(img, at[j], size, mirror[j]) for j, img in enumerate(images)]
-    return fill_bad(out, bad, labels, where)
+    lost = fill_bad(images, at, mirror, labels, bad, where)
+    return torch.stack([crop_resize(img, at[j], size, mirror[j]) for j, img in enumerate(images)]), labels, lost
