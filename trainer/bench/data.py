@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -131,6 +132,7 @@ def trainer_run(name: str, args: list[str], out: Path) -> dict:
     epoch (the workers' prefetched batches drawn, the model compiled), the data share of a step in
     the second epoch, and the peak RSS."""
     ck = out / f"ck-{name}"
+    shutil.rmtree(ck, ignore_errors=True)  # a run of the same case before would be resumed, finished
     t0 = time.time()
     # a wrapper process, so that the peak RSS read is this run's (its largest process, workers included)
     wrap = "import resource,subprocess,sys; subprocess.run(sys.argv[1:]); print('RSS_MB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024)"
