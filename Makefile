@@ -1,7 +1,7 @@
 # Thin aliases around the one entry point (`python -m trainer`). Variables:
 #   CONFIG=configs/default.yaml (run-local: a job that fits the machine)  DATA=<folder of train/ test/ or their .tar.gz, or shards>  ARGS="key=value ..."
 #   NPROC=auto (one per GPU, else 2)  IMAGE=cluster-trainer:0.1.0  REGISTRY (push)  GPUS=8  NODES=2
-#   K8S=multi-node (a job folder of k8s/: trainjob, trainjob-single, multi-node, single-gpu, elastic, elastic-etcd)  TORCHX_FLAGS (e.g. --dryrun)
+#   K8S=multi-node (a job folder of k8s/: trainjob, trainjob-single, multi-node, single-gpu, elastic, elastic-etcd; trainjob-runtime, once per cluster)  TORCHX_FLAGS (e.g. --dryrun)
 #   TEST_WORKERS=2 SLOW_WORKERS=3 (pytest processes of make test, make test-slow)
 #   NAMESPACE (k8s-storage, k8s-apply: else kubectl's current one)  GANG=off (k8s-apply: no gang scheduling)  STORAGE_CLASS (k8s-storage)  ENGINE=docker (or podman)  COMPOSE="docker compose" (or docker-compose, podman-compose)  CHECKPOINTS=checkpoints
 PYTHON ?= python3
@@ -160,10 +160,12 @@ k8s-apply: tools ## apply the job folder K8S of k8s/ with the pushed IMAGE
 		$(if $(call given,CONFIG),--config '$(CONFIG)') $(if $(ARGS),--args '$(ARGS)')) \
 		&& echo "$$manifest" | $(TOOLS)/python k8s/render.py --check-existing && echo "$$manifest" | kubectl apply -f -
 
-# checkov on what ships: every pod template of K8S as the Job checkov knows, with the manifest's waivers
+# checkov on what ships: every pod template of K8S as the Job checkov knows, with the manifest's
+# waivers; a TrainJob's pods as the Trainer makes them from the runtime (k8s/trainjob-runtime)
 k8s-checkov: $(CHECKOV) ## checkov on the pod templates of K8S
 	@$(check-k8s)
-	@jobs=$$(mktemp --suffix=.yaml); kubectl kustomize k8s/$(K8S) | $(PYTHON) k8s/render.py --as-jobs > $$jobs \
+	@jobs=$$(mktemp --suffix=.yaml); { kubectl kustomize k8s/$(K8S); $(if $(filter trainjob trainjob-single,$(K8S)),echo ---; kubectl kustomize k8s/trainjob-runtime;) } \
+		| $(PYTHON) k8s/render.py --as-jobs > $$jobs \
 		&& $(CHECKOV) -f $$jobs --framework kubernetes --skip-download --compact --quiet; rc=$$?; rm -f $$jobs; exit $$rc
 
 whole = case "$($(1))" in ""|*[!0-9]*|0*) echo "error: $(1)='$($(1))' is not a whole number of at least 1; pass e.g. $(1)=$(2)" >&2; exit 2;; esac

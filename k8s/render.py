@@ -2,7 +2,10 @@
 the PVCs (`make k8s-storage`), and the namespace of either:
     kubectl kustomize k8s/multi-node | python k8s/render.py --image IMG --nodes 4 --gpus 8 | kubectl apply -f -
     kubectl kustomize k8s/storage | python k8s/render.py --storage-class efs-sc --namespace team-a | kubectl apply -f -
-    kubectl kustomize k8s/trainjob | python k8s/render.py --as-jobs > jobs.yaml && checkov -f jobs.yaml   # make k8s-checkov
+    kubectl kustomize k8s/multi-node | python k8s/render.py --as-jobs > jobs.yaml && checkov -f jobs.yaml   # make k8s-checkov
+A TrainJob holds everything of its job (image, arguments, size, shared memory); the
+ClusterTrainingRuntime (k8s/trainjob-runtime) holds nothing of one job and takes only an image
+(its default) and GANG.
 """
 
 from __future__ import annotations
@@ -68,13 +71,58 @@ def check_run(config: str | None, args: list[str]) -> None:
         raise RenderError(f"{e} (CONFIG / ARGS)") from None
 
 
+RUNTIMES = ("ClusterTrainingRuntime", "TrainingRuntime")
+"""Kubeflow Trainer v2's runtimes; ours is the cluster-scoped one."""
+CLUSTER_SCOPED = ("ClusterTrainingRuntime",)
+SHM_PATCH = "cluster-trainer.io/k8s-apply"
+"""The manager of a TrainJob's runtime patch that sizes its shared memory."""
+
+
 def trainer_pods(doc: dict) -> list[dict]:
-    """The pod specs of a job kind this renders (a PyTorchJob's replicas, a TrainingRuntime's Jobs)."""
+    """The pod specs of a job kind this renders (a PyTorchJob's replicas, a runtime's Jobs)."""
     if doc.get("kind") == "PyTorchJob":
         return [r["template"]["spec"] for r in doc["spec"]["pytorchReplicaSpecs"].values()]
-    if doc.get("kind") == "TrainingRuntime":
+    if doc.get("kind") in RUNTIMES:
         return [j["template"]["spec"]["template"]["spec"] for j in doc["spec"]["template"]["spec"]["replicatedJobs"]]
     return []
+
+
+def as_the_trainer_makes_it(runtime: dict, trainjob: dict) -> list[dict]:
+    """The runtime's replicated Jobs as Kubeflow Trainer v2 makes them for ``trainjob``
+    (pkg/runtime/framework/plugins/jobset/builder.go, pkg/runtime/core/trainingruntime.go): in the
+    container named node, the TrainJob's image, command and args replace the runtime's, its env is
+    added and its resourcesPerNode set; then its runtimePatches merge by name (the volumes here)."""
+    jobs = copy.deepcopy(runtime["spec"]["template"]["spec"]["replicatedJobs"])
+    trainer = trainjob["spec"]["trainer"]
+    for job in jobs:
+        pod = job["template"]["spec"]["template"]["spec"]
+        for c in pod["containers"]:
+            if c["name"] == "node":
+                c.update({k: copy.deepcopy(trainer[k]) for k in ("image", "command", "args") if k in trainer})
+                c["env"] = [e for e in c.get("env", []) if e["name"] not in {t["name"] for t in trainer.get("env", [])}] + trainer.get("env", [])
+                if "resourcesPerNode" in trainer:
+                    c["resources"] = copy.deepcopy(trainer["resourcesPerNode"])
+        for patch in trainjob["spec"].get("runtimePatches", []):
+            for rj in patch.get("trainingRuntimeSpec", {}).get("template", {}).get("spec", {}).get("replicatedJobs", []):
+                if rj["name"] == job["name"]:
+                    for v in rj["template"]["spec"]["template"]["spec"].get("volumes", []):
+                        mine = next((x for x in pod["volumes"] if x["name"] == v["name"]), None)
+                        if mine is None:
+                            pod["volumes"].append(copy.deepcopy(v))
+                        else:
+                            for key, value in v.items():  # a strategic merge: maps merge, the rest replaces
+                                mine[key] = {**mine[key], **value} if isinstance(value, dict) and isinstance(mine.get(key), dict) else value
+    return jobs
+
+
+def _shm(trainjob: dict, size: str) -> None:
+    """The TrainJob's shared memory, in its runtime patch of the dshm volume."""
+    for patch in trainjob["spec"].get("runtimePatches", []):
+        if patch["manager"] == SHM_PATCH:
+            for rj in patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]:
+                for v in rj["template"]["spec"]["template"]["spec"].get("volumes", []):
+                    if v["name"] == "dshm":
+                        v["emptyDir"]["sizeLimit"] = size
 
 
 def one_gpu(doc: dict) -> bool:
@@ -100,6 +148,9 @@ def check(docs: list[dict], image: str | None, nodes: int | None, gpus: int | No
     if storage_class is not None and not NAME.match(storage_class):
         raise RenderError(f"--storage-class={storage_class!r} is not a storage class name; use {RWX_HINT}")
     for doc in docs:
+        if doc.get("kind") in RUNTIMES and (nodes is not None or gpus is not None):
+            raise RenderError(f"{doc['kind']} {doc['metadata']['name']} is shared by every TrainJob and has no size: NODES and GPUS are a "
+                              "TrainJob's (make k8s-apply K8S=trainjob NODES=... GPUS=...)")
         if one_gpu(doc) and ((nodes or 1) > 1 or (gpus or 1) > 1):
             bigger = "trainjob" if doc["kind"] == "TrainJob" else "multi-node"
             raise RenderError(f"{doc['metadata']['name']} is one pod with one GPU, not NODES={nodes} GPUS={gpus}; use K8S={bigger} for more")
@@ -130,9 +181,13 @@ def render(docs: list[dict], image: str | None, nodes: int | None, gpus: int | N
            namespace: str | None = None, config: str | None = None, args: list[str] | None = None, gang: bool = True) -> list[dict]:
     check(docs, image, nodes, gpus, storage_class, namespace)
     if config is not None or args:
+        runtime = next((d for d in docs if d.get("kind") in RUNTIMES), None)
+        if runtime is not None:
+            raise RenderError(f"{runtime['kind']} {runtime['metadata']['name']} is shared by every TrainJob: CONFIG and ARGS are a "
+                              "TrainJob's (make k8s-apply K8S=trainjob CONFIG=... ARGS=...)")
         check_run(config, args or [])
     for doc in docs:
-        if namespace:
+        if namespace and doc.get("kind") not in CLUSTER_SCOPED:
             doc["metadata"]["namespace"] = namespace
         if not gang:  # a cluster with no gang scheduler: no PodGroup, no minAvailable
             doc.get("spec", {}).pop("podGroupPolicy", None)
@@ -141,13 +196,20 @@ def render(docs: list[dict], image: str | None, nodes: int | None, gpus: int | N
             doc["spec"]["storageClassName"] = storage_class
         if doc.get("kind") == "PyTorchJob":
             _pytorchjob(doc["spec"], nodes, gpus)
-        if doc.get("kind") == "TrainJob":
+        if doc.get("kind") == "TrainJob":  # everything of the job is its own: the runtime stays as installed
             trainer = doc["spec"]["trainer"]
             if nodes is not None:
                 trainer["numNodes"] = nodes
             if gpus is not None:
                 trainer["numProcPerNode"] = gpus
                 trainer["resourcesPerNode"] = _resources(gpus)
+                _shm(doc, f"{2 * gpus}Gi")
+            if image:
+                trainer["image"] = image
+            if config is not None:
+                trainer["args"][trainer["args"].index("--config") + 1] = config
+            if args:
+                trainer["args"] += args
         for pod in trainer_pods(doc):
             for c in pod.get("initContainers", []) + pod["containers"]:
                 if image:
@@ -167,22 +229,21 @@ def render(docs: list[dict], image: str | None, nodes: int | None, gpus: int | N
 
 def as_jobs(docs: list[dict]) -> list[dict]:
     """Every pod template as the batch/v1 Job that policy scanners know (checkov skips PyTorchJobs
-    and TrainingRuntimes: on our files as shipped it finds 0 resources), each with its job's
-    waivers (checkov.io/skip annotations, with their reasons), and Deployments as they are:
-    `make k8s-checkov`."""
+    and runtimes: on our files as shipped it finds 0 resources), each with its job's waivers
+    (checkov.io/skip annotations, with their reasons), and Deployments as they are: `make
+    k8s-checkov`. A TrainJob's pods are its runtime's as the Trainer makes them for it (the runtime
+    among ``docs``)."""
     jobs = []
-    sizes = {d["spec"]["runtimeRef"]["name"]: d["spec"]["trainer"].get("resourcesPerNode") for d in docs if d.get("kind") == "TrainJob"}
+    made = {d["spec"]["runtimeRef"]["name"]: d for d in docs if d.get("kind") == "TrainJob"}
     for doc in copy.deepcopy(docs):
         meta = doc["metadata"]
         waivers = {k: v for k, v in meta.get("annotations", {}).items() if k.startswith("checkov.io/")}
         if doc.get("kind") == "PyTorchJob":
             specs = {role.lower(): {"template": r["template"]} for role, r in doc["spec"]["pytorchReplicaSpecs"].items()}
-        elif doc.get("kind") == "TrainingRuntime":
-            specs = {j["name"]: j["template"]["spec"] for j in doc["spec"]["template"]["spec"]["replicatedJobs"]}
-            for spec in specs.values():  # the TrainJob's resources, set in the node container as the Trainer does
-                for c in spec["template"]["spec"]["containers"]:
-                    if c["name"] == "node" and sizes.get(meta["name"]):
-                        c["resources"] = sizes[meta["name"]]
+        elif doc.get("kind") in RUNTIMES:
+            trainjob = made.get(meta["name"])
+            replicated = as_the_trainer_makes_it(doc, trainjob) if trainjob else doc["spec"]["template"]["spec"]["replicatedJobs"]
+            specs = {j["name"]: j["template"]["spec"] for j in replicated}
         elif doc.get("kind") == "Deployment":  # the etcd of k8s/elastic-etcd: checkov knows Deployments as they are
             jobs.append(doc)
             continue
@@ -197,8 +258,8 @@ def as_jobs(docs: list[dict]) -> list[dict]:
 
 
 def check_existing(docs: list[dict], kubectl: str = "kubectl") -> None:
-    """A TrainJob that already exists with other trainer settings: refused before anything is
-    applied (its spec.trainer cannot change, and the runtime in the same apply would change first)."""
+    """A TrainJob that already exists with other trainer settings (image, arguments, size):
+    refused before anything is applied (its spec.trainer cannot change)."""
     for doc in docs:
         if doc.get("kind") != "TrainJob":
             continue

@@ -28,10 +28,12 @@ from conftest import ROOT, env, free_port, made_once, run, slow_steps
 sys.path.insert(0, str(ROOT / "k8s"))  # render.py, the manifests' renderer
 
 SCHEMAS = ROOT / "tests" / "schemas"
-K8S_DIRS = ["storage", "multi-node", "single-gpu", "elastic", "elastic-etcd", "trainjob", "trainjob-single"]
+K8S_DIRS = ["storage", "multi-node", "single-gpu", "elastic", "elastic-etcd", "trainjob-runtime", "trainjob", "trainjob-single"]
 JOB_DIRS = K8S_DIRS[1:]
+TRAINJOBS = ("trainjob", "trainjob-single")
+"""The folders of a TrainJob alone: its pods are the runtime's (k8s/trainjob-runtime), as the Trainer makes them for it."""
 CRDS = {"PyTorchJob": "kubeflow.org_pytorchjobs.yaml", "TrainJob": "kubeflow-trainer-v2/trainer.kubeflow.org_trainjobs.yaml",
-        "TrainingRuntime": "kubeflow-trainer-v2/trainer.kubeflow.org_trainingruntimes.yaml"}
+        "ClusterTrainingRuntime": "kubeflow-trainer-v2/trainer.kubeflow.org_clustertrainingruntimes.yaml"}
 TINY_JOB = ["model.name=tinynet", "data.name=synthetic", "data.synthetic_train_size=512", "data.synthetic_test_size=128",
             "train.batch_size=32", "train.epochs=1", "train.plot=false", "train.log_every=8"]
 
@@ -72,13 +74,28 @@ def unknown_fields(doc, sch: dict, where: str = "") -> list[str]:
     return []
 
 
-def pod_templates(doc: dict) -> dict[str, dict]:
-    """A job's pod templates by replica: a PyTorchJob's replicas, a TrainingRuntime's replicated Jobs."""
+def pod_templates(doc: dict, runtime: dict | None = None) -> dict[str, dict]:
+    """A job's pod templates by replica: a PyTorchJob's replicas, a runtime's replicated Jobs, a
+    TrainJob's (``runtime``'s as the Trainer makes them for it)."""
+    from render import as_the_trainer_makes_it
+
     if doc["kind"] == "PyTorchJob":
         return {role: r["template"] for role, r in doc["spec"]["pytorchReplicaSpecs"].items()}
-    if doc["kind"] == "TrainingRuntime":
+    if doc["kind"] == "ClusterTrainingRuntime":
         return {j["name"]: j["template"]["spec"]["template"] for j in doc["spec"]["template"]["spec"]["replicatedJobs"]}
+    if doc["kind"] == "TrainJob" and runtime is not None:
+        return {j["name"]: j["template"]["spec"]["template"] for j in as_the_trainer_makes_it(runtime, doc)}
     return {}
+
+
+def runtime() -> dict:
+    """The ClusterTrainingRuntime every TrainJob of ours names."""
+    return manifests("trainjob-runtime")[0]
+
+
+def pods_of(docs: list[dict]) -> list[dict]:
+    """The pod specs a folder's (rendered) manifests make: a TrainJob's as made on our runtime."""
+    return [t["spec"] for d in docs for t in pod_templates(d, runtime()).values()]
 
 
 def every_pod_template(doc: dict) -> dict[str, dict]:
@@ -89,7 +106,7 @@ def every_pod_template(doc: dict) -> dict[str, dict]:
 def manifests(folder: str) -> list[dict]:
     """The folder's manifests; an overlay (a kustomization on another folder: k8s/elastic,
     k8s/elastic-etcd) as kustomize builds it."""
-    files = [f for f in sorted((ROOT / "k8s" / folder).glob("*.yaml")) if f.name != "kustomization.yaml"]
+    files = [f for f in sorted((ROOT / "k8s" / folder).glob("*.yaml")) if f.name not in ("kustomization.yaml", "kustomizeconfig.yaml")]
     if not files or "../" in (ROOT / "k8s" / folder / "kustomization.yaml").read_text():
         kubectl = shutil.which("kubectl")
         assert kubectl, "kubectl is needed (.ci/run installs Debian's kubernetes-client when it is missing)"
@@ -188,9 +205,9 @@ def test_every_manifest_validates(folder):
             crd = crd_schema(CRDS[doc["kind"]])
             jsonschema.Draft7Validator(crd).validate(doc)
             assert unknown_fields(doc, crd) == []
-            for template in pod_templates(doc).values():
+            for template in pod_templates(doc, runtime()).values():  # a TrainJob's: as the Trainer makes them
                 jsonschema.Draft7Validator(pod_template).validate(template)
-            for replicated in doc["spec"]["template"]["spec"]["replicatedJobs"] if doc["kind"] == "TrainingRuntime" else []:
+            for replicated in doc["spec"]["template"]["spec"]["replicatedJobs"] if doc["kind"] == "ClusterTrainingRuntime" else []:
                 wrapped = {"apiVersion": "batch/v1", "kind": "Job", **replicated["template"]}
                 jsonschema.Draft7Validator(job).validate(wrapped)
                 kubernetes_validate.validate(wrapped, "1.30", strict=True)
@@ -205,10 +222,10 @@ def test_a_broken_manifest_fails_validation():
     doc["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["volumeMount"] = []
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.Draft7Validator(schema("k8s/podtemplatespec-v1.json")).validate(doc["spec"]["pytorchReplicaSpecs"]["Master"]["template"])
-    runtime, trainjob = manifests("trainjob")
-    del runtime["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["podFailurePolicy"]["rules"][0]["onExitCodes"]["values"]
+    shared, (trainjob,) = runtime(), manifests("trainjob")
+    del shared["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["podFailurePolicy"]["rules"][0]["onExitCodes"]["values"]
     with pytest.raises(jsonschema.ValidationError):
-        jsonschema.Draft7Validator(crd_schema(CRDS["TrainingRuntime"])).validate(runtime)
+        jsonschema.Draft7Validator(crd_schema(CRDS["ClusterTrainingRuntime"])).validate(shared)
     trainjob["spec"]["trainer"]["numProcsPerNode"] = 8  # misspelt: the CRD accepts it, the API server would drop it
     jsonschema.Draft7Validator(crd_schema(CRDS["TrainJob"])).validate(trainjob)
     assert unknown_fields(trainjob, crd_schema(CRDS["TrainJob"])) == [".spec.trainer.numProcsPerNode"]
@@ -222,8 +239,8 @@ def test_kustomize_builds(folder):
     assert out.returncode == 0, out.stderr
     kinds = [d["kind"] for d in yaml.safe_load_all(out.stdout) if d]
     # the PVCs are theirs alone: `kubectl delete -k k8s/<job>` deletes only what this builds
-    expected = {"storage": ["PersistentVolumeClaim"] * 2, "trainjob": ["TrainingRuntime", "TrainJob"], "trainjob-single": ["TrainingRuntime", "TrainJob"],
-                "elastic-etcd": ["Service", "Deployment", "PyTorchJob"]}
+    expected = {"storage": ["PersistentVolumeClaim"] * 2, "trainjob-runtime": ["ClusterTrainingRuntime"], "trainjob": ["TrainJob"],
+                "trainjob-single": ["TrainJob"], "elastic-etcd": ["Service", "Deployment", "PyTorchJob"]}
     assert kinds == expected.get(folder, ["PyTorchJob"]), kinds
     if folder != "storage":
         assert "ghcr.io/cluster-trainer/cluster-trainer:0.1.0" in out.stdout
@@ -256,7 +273,7 @@ def restricted(pod: dict) -> list[str]:
 
 def test_every_pod_passes_pod_security_restricted():
     pods = [t["spec"] for f in JOB_DIRS for d in manifests(f) for t in every_pod_template(d).values()]
-    assert len(pods) == 8  # elastic-etcd's etcd pod too
+    assert len(pods) == 7  # elastic-etcd's etcd pod too; the runtime's pod (the TrainJobs' pods are made from it)
     for pod in pods:
         assert restricted(pod) == []
     broken = copy.deepcopy(pods[0])
@@ -282,11 +299,16 @@ def checkov(path: Path, framework: str) -> dict:
 def test_checkov_finds_nothing_unwaived_in_the_pod_templates(folder, tmp_path):
     """checkov (`make test-slow` installs it) on every pod template, each wrapped as the Job that
     checkov knows (render.py --as-jobs, as `make k8s-checkov` runs it), with the job's waivers:
-    every check passes or is waived in the manifest with its reason."""
-    built = subprocess.run(["kubectl", "kustomize", f"k8s/{folder}"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    every check passes or is waived in the manifest with its reason. A TrainJob's pods: the
+    runtime's as the Trainer makes them for it (its image, arguments, resources, shared memory)."""
+    built = "\n---\n".join(subprocess.run(["kubectl", "kustomize", f"k8s/{f}"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+                           for f in [folder, *(["trainjob-runtime"] if folder in TRAINJOBS else [])])
     wrapped = subprocess.run([sys.executable, "k8s/render.py", "--as-jobs"], cwd=ROOT, input=built, capture_output=True, text=True, check=True).stdout
     jobs = [d for d in yaml.safe_load_all(wrapped) if d]
-    assert len(jobs) == sum(len(every_pod_template(d)) for d in manifests(folder)) >= 1
+    assert len(jobs) == sum(len(every_pod_template(d)) for d in manifests(folder)) + (folder in TRAINJOBS) >= 1
+    if folder in TRAINJOBS:  # checkov saw the job's own image and resources
+        made = jobs[0]["spec"]["template"]["spec"]["containers"][0]
+        assert made["resources"] == manifests(folder)[0]["spec"]["trainer"]["resourcesPerNode"] and made["args"][-1].startswith("checkpoint.dir=")
     waivers = {v.split("=", 1)[0]: v.split("=", 1)[1] for k, v in jobs[0]["metadata"]["annotations"].items() if k.startswith("checkov.io/skip")}
     assert all(len(reason) > 20 for reason in waivers.values()), waivers  # each with its reason
     (tmp_path / "jobs.yaml").write_text(wrapped)
@@ -459,14 +481,15 @@ class Pods:
         self.procs[name].kill()
 
     def run(self, decide: Callable[[str, int, bool], str], faults: list[tuple[str, str, str]] = (), timeout: float = 300) -> str:
-        """Start every pod, act on each end by ``decide``, do each fault (pod whose log to watch,
-        pattern, action on the other pod: 'evict:NAME' or 'kill:NAME') once; 'Succeeded' or 'Failed'."""
+        """Start every pod, act on each end by ``decide``, do each fault (pod whose log to watch, or
+        '*' for every pod's, pattern, action on the other pod: 'evict:NAME' or 'kill:NAME') once;
+        'Succeeded' or 'Failed'."""
         for name in self.specs:
             self.start(name)
         pending, deadline, done = list(faults), time.time() + timeout, set()
         while time.time() < deadline:
             for watch, pattern, action in list(pending):
-                if re.search(pattern, self.out(watch)):
+                if re.search(pattern, "".join(self.out(n) for n in self.logs) if watch == "*" else self.out(watch)):
                     pending.remove((watch, pattern, action))
                     verb, target = action.split(":")
                     getattr(self, verb)(target)
@@ -581,17 +604,24 @@ def test_operator_simulation_a_crash_without_progress_is_retried_until_the_third
 # Kubeflow Trainer v2 and the Job controller, played here (facts in tests/schemas/SOURCES.md)
 
 
-def trainjob_pods(runtime: dict, trainjob: dict, paths: dict[str, Path], extra: list[str], port: int,
+def trainjob_pods(shared: dict, trainjob: dict, paths: dict[str, Path], extra: list[str], port: int,
                   environ: dict[str, str] | None = None) -> dict:
-    """The pods of the TrainJob's JobSet: one per node of the indexed Job, with what the torch
-    plugin injects into the container named node (PET_*), the pod's labels for the downward API,
-    the kubelet's HOSTNAME and $(VAR) expansion."""
+    """The pods of the TrainJob's JobSet: one per node of the indexed Job made from the runtime
+    for this TrainJob (its image and arguments in the container named node), with what the torch
+    plugin injects there (PET_*), the pod's labels for the downward API, the kubelet's HOSTNAME and
+    $(VAR) expansion."""
+    from render import as_the_trainer_makes_it
+
     name, trainer = trainjob["metadata"]["name"], trainjob["spec"]["trainer"]
-    replicated = runtime["spec"]["template"]["spec"]["replicatedJobs"][0]
+    replicated = as_the_trainer_makes_it(shared, trainjob)[0]
     pod = replicated["template"]["spec"]["template"]["spec"]
 
     def make(index: int):
         def start(attempt: int):
+            if index > 0 and attempt == 0:
+                # on the cluster the rendezvous address is node 0's alone, so node 0 hosts its store;
+                # here every pod is on 127.0.0.1 and the first to bind would: let node 0 bind first
+                wait_for_port(port)
             labels = {"jobset.sigs.k8s.io/jobset-name": name, "jobset.sigs.k8s.io/replicatedjob-name": replicated["name"],
                       "batch.kubernetes.io/job-completion-index": str(index)}
             variables = {"PET_NNODES": str(trainer["numNodes"]), "PET_NPROC_PER_NODE": str(trainer["numProcPerNode"]),
@@ -609,6 +639,17 @@ def trainjob_pods(runtime: dict, trainjob: dict, paths: dict[str, Path], extra: 
             return inits, local_command(c, variables, paths, [*TINY_JOB, *extra]), pod_env
         return start
     return {f"node-{i}": make(i) for i in range(trainer["numNodes"])}
+
+
+def wait_for_port(port: int, timeout: float = 60) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise AssertionError(f"nothing listens on port {port} after {timeout:.0f} s")
 
 
 class JobController:
@@ -641,11 +682,13 @@ class JobController:
 
 
 def test_the_runtime_keeps_the_exit_contract_in_its_pod_failure_policy():
-    runtime, trainjob = manifests("trainjob")
-    job = runtime["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]
+    shared = runtime()
+    job = shared["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]
     assert job["template"]["spec"]["restartPolicy"] == "Never"  # what a podFailurePolicy needs
-    assert runtime["spec"]["template"]["spec"]["failurePolicy"]["maxRestarts"] == 0
-    assert trainjob["spec"]["runtimeRef"] == {"apiGroup": "trainer.kubeflow.org", "kind": "TrainingRuntime", "name": runtime["metadata"]["name"]}
+    assert shared["spec"]["template"]["spec"]["failurePolicy"]["maxRestarts"] == 0
+    for folder in TRAINJOBS:
+        trainjob = manifests(folder)[0]
+        assert trainjob["spec"]["runtimeRef"] == {"apiGroup": "trainer.kubeflow.org", "kind": "ClusterTrainingRuntime", "name": shared["metadata"]["name"]}
     assert {r["action"] for r in job["podFailurePolicy"]["rules"]} <= {"FailJob", "Ignore", "Count", "FailIndex"}
     controller = JobController(job)
     assert [controller("p", c, d) for c, d in ((2, False), (75, False), (137, True), (1, False), (124, False))] == \
@@ -657,11 +700,11 @@ def test_the_runtime_keeps_the_exit_contract_in_its_pod_failure_policy():
 def trainjob_case(root: Path, extra: list[str], environ: dict | None = None) -> tuple[Pods, JobController, Path]:
     """The TrainJob's runtime commands, run as the Trainer and the Job controller would (2 nodes, 1
     process each): its pods, the controller, its checkpoint folder."""
-    runtime, trainjob = manifests("trainjob")
+    shared, (trainjob,) = runtime(), manifests("trainjob")
     trainjob["spec"]["trainer"]["numProcPerNode"] = 1
-    job_spec = runtime["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]
+    job_spec = shared["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]
     paths = volumes(root)
-    pods = Pods(root, trainjob_pods(runtime, trainjob, paths, extra, free_port(), environ))
+    pods = Pods(root, trainjob_pods(shared, trainjob, paths, extra, free_port(), environ))
     return pods, JobController(job_spec), paths["/checkpoints"] / trainjob["metadata"]["name"]
 
 
@@ -669,7 +712,8 @@ def trainjob_case(root: Path, extra: list[str], environ: dict | None = None) -> 
 def test_trainer_v2_simulation_an_evicted_pod_is_ignored_replaced_and_the_trainjob_resumes(tmp_path):
     """An evicted pod (SIGTERM, DisruptionTarget) saves; 75 is ignored, the pods are replaced and resume."""
     pods, controller, ckpt = trainjob_case(tmp_path, ["train.epochs=4"], SLOW_STEPS)
-    assert pods.run(controller, [("node-0", r"epoch 2/4 step", "evict:node-1")]) == "Succeeded"
+    # rank 0, which prints, is on the pod that reached the rendezvous first
+    assert pods.run(controller, [("*", r"epoch 2/4 step", "evict:node-1")]) == "Succeeded"
     assert ("node-1", 75, "Ignore") in controller.log and controller.failures == 0, controller.log
     last = pods.out("node-0") + pods.out("node-1")  # rank 0 (which prints) is on whichever pod the re-formed group gave it to
     assert "strategy ddp x2" in last and "resuming from" in last and (ckpt / "step-64" / "state.pt").is_file()
@@ -678,7 +722,7 @@ def test_trainer_v2_simulation_an_evicted_pod_is_ignored_replaced_and_the_trainj
 @pytest.mark.slow
 def test_trainer_v2_simulation_a_pod_killed_outright_counts_once_and_the_trainjob_finishes(tmp_path):
     pods, controller, ckpt = trainjob_case(tmp_path, ["train.epochs=4"], SLOW_STEPS)
-    assert pods.run(controller, [("node-0", r"epoch 2/4 step", "kill:node-1")]) == "Succeeded"
+    assert pods.run(controller, [("*", r"epoch 2/4 step", "kill:node-1")]) == "Succeeded"
     assert ("node-1", 137, "Count") in controller.log and controller.failures == 1, controller.log
     assert (ckpt / "step-64" / "state.pt").is_file()
 
@@ -859,6 +903,8 @@ def test_torchx_takes_an_etcd_rendezvous_endpoint():
     ("multi-node", ["--args", "train.epoch=5"], "train.epoch"),
     ("multi-node", ["--args", "train.epochs=-1"], "(CONFIG / ARGS)"),
     ("trainjob-single", ["--gpus", "8"], "use K8S=trainjob for more"),
+    ("trainjob-runtime", ["--nodes", "4"], "NODES and GPUS are a TrainJob's"),
+    ("trainjob-runtime", ["--args", "train.epochs=5"], "CONFIG and ARGS are a TrainJob's"),
 ])
 def test_render_refuses_what_no_cluster_can_run_in_one_line(folder, args, words):
     stdin = yaml.safe_dump_all(manifests(folder))
@@ -882,12 +928,13 @@ def test_render_honours_config_and_args_in_every_job_kind():
 
     for folder in ("multi-node", "trainjob"):
         docs = render(manifests(folder), None, None, None, config="configs/fast.yaml", args=["train.epochs=5"])
-        pods = [t["spec"] for d in docs for t in pod_templates(d).values()]
+        pods = pods_of(docs)
         trainer = [c for pod in pods for c in pod["containers"]]
-        data = [c for pod in pods for c in pod["initContainers"]]
+        data = [c for pod in pods for c in pod.get("initContainers", [])]
         assert trainer and all(c["args"][c["args"].index("--config") + 1] == "configs/fast.yaml" and c["args"][-1] == "train.epochs=5" for c in trainer)
-        assert data and all(c["command"][c["command"].index("--config") + 1] == "configs/fast.yaml" for c in data)
+        assert all(c["command"][c["command"].index("--config") + 1] == "configs/fast.yaml" for c in data)
         assert all(c["command"][-1] == "train.epochs=5" for c in data)  # the data container prepares the data the trainer reads
+        assert bool(data) == (folder == "multi-node")  # a TrainJob's workers fetch their data themselves
 
 
 def test_render_gives_the_data_container_the_shards_too():
@@ -896,7 +943,7 @@ def test_render_gives_the_data_container_the_shards_too():
 
     for folder in ("multi-node", "trainjob", "elastic"):
         docs = render(manifests(folder), None, None, None, args=["data.name=shards", "model.name=resnet50"])
-        for c in (c for d in docs for t in pod_templates(d).values() for c in t["spec"]["containers"] + t["spec"].get("initContainers", [])):
+        for c in (c for pod in pods_of(docs) for c in pod["containers"] + pod.get("initContainers", [])):
             words = c.get("args") if c["name"] in ("pytorch", "node") else c.get("command")
             if c["name"] in ("pytorch", "node", "data"):
                 assert words[-2:] == ["data.name=shards", "model.name=resnet50"], (folder, c["name"], words)
@@ -905,23 +952,44 @@ def test_render_gives_the_data_container_the_shards_too():
 def test_render_sizes_a_trainjob_and_the_gangs():
     from render import render
 
-    runtime, job = render(manifests("trainjob"), "reg/img:2", nodes=4, gpus=2)
+    (job,) = render(manifests("trainjob"), "reg/img:2", nodes=4, gpus=2)
     assert job["spec"]["trainer"]["numNodes"] == 4 and job["spec"]["trainer"]["numProcPerNode"] == 2
     assert job["spec"]["trainer"]["resourcesPerNode"]["limits"] == {"nvidia.com/gpu": 2, "cpu": "4", "memory": "16Gi"}
-    pod = pod_templates(runtime)["node"]["spec"]
-    assert all(c["image"] == "reg/img:2" for c in pod["containers"] + pod["initContainers"])
-    assert next(v for v in pod["volumes"] if v["name"] == "dshm")["emptyDir"]["sizeLimit"] == "4Gi"
+    (pod,) = pods_of([job])
+    assert [c["image"] for c in pod["containers"] + pod.get("initContainers", [])] == ["reg/img:2"]
+    assert next(v for v in pod["volumes"] if v["name"] == "dshm")["emptyDir"] == {"medium": "Memory", "sizeLimit": "4Gi"}
     pytorchjob = render(manifests("multi-node"), None, nodes=4, gpus=None)[0]
     assert pytorchjob["spec"]["runPolicy"]["schedulingPolicy"] == {"minAvailable": 4}  # all four pods or none
     elastic = render(manifests("elastic"), None, nodes=6, gpus=None)[0]
     assert elastic["spec"]["runPolicy"]["schedulingPolicy"] == {"minAvailable": 3}  # the least it runs with
 
 
+def test_two_trainjobs_with_other_settings_share_the_runtime_unchanged():
+    """Each TrainJob carries its image, config, arguments and size; rendering one touches nothing
+    of the runtime, and the pods the Trainer makes for the two differ only as the jobs do."""
+    from render import render
+
+    shared = runtime()
+    one = render(manifests("trainjob"), "reg/a:1", nodes=2, gpus=8, namespace="team-a")
+    two = render(manifests("trainjob-single"), "reg/b:2", None, None, namespace="team-b", config="configs/fast.yaml", args=["train.epochs=3"])
+    assert [d["kind"] for d in one + two] == ["TrainJob", "TrainJob"] and shared == runtime()
+    (a,), (b,) = pods_of(one), pods_of(two)
+    node_a, node_b = a["containers"][0], b["containers"][0]
+    assert (node_a["image"], node_b["image"]) == ("reg/a:1", "reg/b:2")
+    assert "configs/default.yaml" in node_a["args"] and node_b["args"][-1] == "train.epochs=3" and "configs/fast.yaml" in node_b["args"]
+    assert node_a["env"] == node_b["env"] == pod_templates(shared)["node"]["spec"]["containers"][0]["env"]  # TRAINJOB_NAME, from the runtime
+    assert node_b["resources"]["limits"]["nvidia.com/gpu"] == 1 and node_a["resources"]["limits"]["nvidia.com/gpu"] == 8
+    # installed once: an image (its default) and GANG, no namespace (cluster-scoped)
+    (installed,) = render(manifests("trainjob-runtime"), "reg/c:3", None, None, namespace="team-a", gang=False)
+    assert "namespace" not in installed["metadata"] and "podGroupPolicy" not in installed["spec"]
+    assert pod_templates(installed)["node"]["spec"]["containers"][0]["image"] == "reg/c:3"
+
+
 def gib(quantity: str) -> float:
     return float(quantity[:-2]) * {"Gi": 1, "Mi": 1 / 1024}[quantity[-2:]]
 
 
-@pytest.mark.parametrize("folder", JOB_DIRS)
+@pytest.mark.parametrize("folder", [f for f in JOB_DIRS if f != "trainjob-runtime"])  # the runtime's pods are its TrainJobs'
 def test_shared_memory_fits_in_the_pods_memory_limit(folder):
     """A memory-backed /dev/shm counts against the pod's memory limit: it is a quarter of it, as
     shipped and as make k8s-apply sizes it."""
@@ -932,8 +1000,8 @@ def test_shared_memory_fits_in_the_pods_memory_limit(folder):
             continue
         docs = render(manifests(folder), None, None, gpus)
         job = next(d for d in docs if d["kind"] in ("PyTorchJob", "TrainJob"))
-        for template in [t for d in docs for t in pod_templates(d).values()]:
-            pod = template["spec"]
+        assert pods_of(docs)
+        for pod in pods_of(docs):
             main = next(c for c in pod["containers"] if c["name"] in ("pytorch", "node"))
             limits = job["spec"]["trainer"]["resourcesPerNode"]["limits"] if job["kind"] == "TrainJob" else main["resources"]["limits"]
             shm = next(v for v in pod["volumes"] if v["name"] == "dshm")["emptyDir"]["sizeLimit"]
@@ -1035,7 +1103,7 @@ def test_every_make_k8s_apply_a_manifest_shows_runs_as_written(tools_venv, tmp_p
         docs = [d for d in yaml.safe_load_all((tmp_path / "applied.yaml").read_text()) if d]
         image = next(w.split("=", 1)[1] for w in words if w.startswith("IMAGE="))
         assert image in (tmp_path / "applied.yaml").read_text(), command
-        job = next(d for d in docs if d["kind"] in ("PyTorchJob", "TrainJob"))
+        job = next(d for d in docs if d["kind"] in ("PyTorchJob", "TrainJob", "ClusterTrainingRuntime"))
         if "single" in f.parent.name:
             from render import one_gpu
 
@@ -1045,10 +1113,10 @@ def test_every_make_k8s_apply_a_manifest_shows_runs_as_written(tools_venv, tmp_p
 @pytest.mark.slow
 def test_gang_scheduling_ships_on_and_gang_off_leaves_it_out(tools_venv, tmp_path):
     """The Trainer v2 runtime asks for coscheduling's PodGroup, the PyTorchJob for minAvailable;
-    GANG=off (a cluster with no gang scheduler) renders neither."""
-    runtime = next(d for d in manifests("trainjob") if d["kind"] == "TrainingRuntime")
-    assert runtime["spec"]["podGroupPolicy"] == {"coscheduling": {"scheduleTimeoutSeconds": 300}}
-    for folder, kind in (("trainjob", "TrainingRuntime"), ("multi-node", "PyTorchJob")):
+    GANG=off (a cluster with no gang scheduler) renders neither: the runtime's is chosen when an
+    administrator installs it."""
+    assert runtime()["spec"]["podGroupPolicy"] == {"coscheduling": {"scheduleTimeoutSeconds": 300}}
+    for folder, kind in (("trainjob-runtime", "ClusterTrainingRuntime"), ("multi-node", "PyTorchJob")):
         for gang in ("on", "off"):
             p = subprocess.run(["make", "-s", "k8s-apply", f"TOOLS_VENV={tools_venv}", f"K8S={folder}", "IMAGE=localhost:5000/ct:0.1.0",
                                 f"GANG={gang}"], cwd=ROOT, capture_output=True, text=True, env=fake_kubectl(tmp_path))
@@ -1083,8 +1151,8 @@ def test_make_k8s_apply_honours_config_and_args(tools_venv, tmp_path):
                         "CONFIG=configs/fast.yaml", "ARGS=train.epochs=5 optim.lr=0.2"],
                        cwd=ROOT, capture_output=True, text=True, env=fake_kubectl(tmp_path))
     assert p.returncode == 0, p.stderr
-    runtime = next(d for d in yaml.safe_load_all((tmp_path / "applied.yaml").read_text()) if d["kind"] == "TrainingRuntime")
-    args = pod_templates(runtime)["node"]["spec"]["containers"][0]["args"]
+    (job,) = [d for d in yaml.safe_load_all((tmp_path / "applied.yaml").read_text()) if d]
+    args = job["spec"]["trainer"]["args"]
     assert args[args.index("--config") + 1] == "configs/fast.yaml" and args[-2:] == ["train.epochs=5", "optim.lr=0.2"]
 
 
