@@ -48,6 +48,22 @@ def test_an_unknown_peer_a_timeout_and_a_bug_each_read_as_one_line(tmp_path, mon
     assert crash.what_next(tmp_path) == "run the same command to resume from step-8"
 
 
+def test_torchs_typed_errors_decide_before_the_text(monkeypatch):
+    """A DistNetworkError is a lost peer and a DistStoreError a timeout whatever their words; gloo's
+    plain RuntimeErrors are told apart by their text (what torch 2.14's gloo raises for both)."""
+    import torch.distributed as dist
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert crash.kind(dist.DistNetworkError("the store at node0:29500 went away")) == "lost"
+    assert crash.kind(dist.DistStoreError("wait for keys took too long")) == "timeout"
+    assert crash.kind(dist.DistBackendError("Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9)")) == "timeout"
+    assert crash.kind(RuntimeError("Read error [10.9.0.11]:40567: Connection reset by peer")) == "lost"
+    assert crash.kind(RuntimeError("Timed out waiting 8000ms for recv operation to complete")) == "timeout"
+    assert crash.kind(RuntimeError("CUDA out of memory; timed out")) == "other"  # a timeout with no collective and no Dist type
+    assert "lost a peer at step 4" in crash.describe(dist.DistNetworkError("the store went away"), 1, 4, HOSTS, 300)
+    assert "a collective waited dist.timeout_s=300 s" in crash.describe(dist.DistStoreError("wait for keys took too long"), 1, 4, HOSTS, 300)
+
+
 @pytest.mark.slow
 def test_a_worker_that_loses_its_peer_says_so_in_one_line_and_keeps_the_traceback(tmp_path):
     """Two ranks under torchrun; rank 1 is killed at step 6 (kill -9): rank 0 says in one line whom

@@ -6,6 +6,12 @@ peer``, NCCL's remote error, a collective timeout. The console gets one line tha
 and host was lost or did not answer, at which step, and what happens next (torchrun restarts the
 group from the newest checkpoint, or the launcher's retry does); the whole traceback goes to
 ``<run folder>/error-rank<R>.txt``. Any other crash reads the same way, naming the exception.
+
+The kind of failure comes from torch's typed errors first (``DistNetworkError``: a peer or the
+store unreachable; ``DistStoreError``: a store wait timed out), then from the text: gloo raises a
+plain ``RuntimeError`` for both a lost peer and a timed-out collective (torch 2.14: ``Read error
+[addr]:port: Connection reset by peer``, ``Timed out waiting 8000ms for recv``), and NCCL one
+``DistBackendError`` for a remote error and a watchdog timeout alike.
 """
 
 from __future__ import annotations
@@ -68,6 +74,19 @@ def _newest_step(root: Path | None) -> str:
     return found.name if found else ""
 
 
+def kind(error: BaseException) -> str:
+    """'lost' (a peer or the store could not be reached), 'timeout' (a collective or a store wait
+    ran out of time), or 'other': torch's error types first, the text where they do not tell."""
+    import torch.distributed as dist  # loaded already: the error came from it, or this is no distributed failure
+
+    message = f"{error}"
+    if isinstance(error, dist.DistNetworkError) or LOST.search(message):
+        return "lost"
+    if isinstance(error, dist.DistStoreError) or (TIMED_OUT.search(message) and (isinstance(error, dist.DistError) or COLLECTIVE.search(message))):
+        return "timeout"
+    return "other"
+
+
 def describe(error: BaseException, rank: int, step: int | None, hosts: list[tuple[str, list[str]]], timeout_s: float, peers=None) -> str:
     """The line's first half: who failed, what was lost, at which step. ``peers`` (the watchdog's
     view of the store) tells a rank that is gone from one that failed because of it: the peer
@@ -76,7 +95,8 @@ def describe(error: BaseException, rank: int, step: int | None, hosts: list[tupl
     first = message.strip().splitlines()[-1][:200] if message.strip() else type(error).__name__
     at = f" at step {step}" if step is not None else " before the first step"
     me = f"rank {rank} ({socket.gethostname()})"
-    lost_peer = LOST.search(message)
+    failed = kind(error)
+    lost_peer = failed == "lost"
     if not lost_peer and peers is not None:
         peers.note_failure()  # alive: the ranks that lost a connection to this one must not name it
     if lost_peer:
@@ -86,7 +106,7 @@ def describe(error: BaseException, rank: int, step: int | None, hosts: list[tupl
         lost = [x for x in named if x in silent] or silent if silent else named
         whom = ", ".join(f"rank {r} ({h})" for r, h in lost) or "a peer"
         return f"{me}: lost {whom}{at}: {_short(first)}"
-    if TIMED_OUT.search(message) and (COLLECTIVE.search(message) or type(error).__name__.startswith("Dist")):
+    if failed == "timeout":
         silent = peers.lost(hosts) if peers is not None else None  # a host lost silently (no reset): whoever noted no failure
         if silent:
             whom = ", ".join(f"rank {r} ({h})" for r, h in silent)

@@ -56,6 +56,18 @@ with 5 s a loss of rank 0's host took 24-25 s to the next step on an idle test b
 load), with 2 s 20-22 s."""
 ELASTIC_KEEP_ALIVE_S = 3
 """Seconds between an elastic job's rendezvous keep-alives (torchrun's default: 5 s)."""
+STATE_KEY = "torch.rendezvous.{run_id}"
+"""Where torch's c10d rendezvous backend keeps its state in the store (C10dRendezvousBackend)."""
+STATE_FIELDS = {"round": int, "complete": bool, "participants": dict, "wait_list": set, "redundancy_list": set, "last_heartbeats": dict}
+"""What the reporter reads of torch's private _RendezvousState (pickled at STATE_KEY), as torch
+2.6-2.14 have it. torch gives no public view of who is in a round; a torch that changes this turns
+the reporter's lines off, with one line, rather than have them say wrong things, and
+tests/test_rendezvous.py fails first."""
+
+
+def readable(state: Any) -> bool:
+    """Whether ``state`` has the fields the reporter reads, of the types it reads them as."""
+    return all(isinstance(getattr(state, name, None), kind) for name, kind in STATE_FIELDS.items())
 
 
 def training_config(torchrun_args: list[str]) -> Any:
@@ -184,6 +196,8 @@ class Reporter:
         self.round = None
         """The rendezvous round of the group that runs (a member missing from it was dropped)."""
         self._missing: set[str] = set()
+        self._unreadable = False
+        """torch keeps its rendezvous state in another form than STATE_FIELDS: the lines are off."""
         self._store = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -209,26 +223,38 @@ class Reporter:
 
     # ---------------------------------------------------------------------------------------------
     def state(self):
-        """The rendezvous' shared state (torch's _RendezvousState), or None while it has none."""
+        """The rendezvous' shared state (torch's _RendezvousState), or None while it has none (or
+        this torch keeps it in a form the reporter does not read: then once a line, and the reporter stops)."""
+        if self._unreadable:
+            return None
         if self._store is None:
             import torch.distributed as dist
 
             # a plain connect first: torch's own retries print pages of C++ frames when nobody answers
             socket.create_connection((self.host, self.port), timeout=3).close()
             self._store = dist.TCPStore(self.host, self.port, is_master=False, timeout=timedelta(seconds=5), wait_for_workers=False)
-        key = f"torch.rendezvous.{self.run_id}"
+        key = STATE_KEY.format(run_id=self.run_id)
         if not self._store.check([key]):
             return None
         raw = self._store.get(key)
         try:
-            return pickle.loads(base64.b64decode(raw))
+            state = pickle.loads(base64.b64decode(raw))
         except Exception:  # noqa: BLE001 - the empty sentinel before the first node writes
             return None
+        if not readable(state):
+            import torch
+
+            self._unreadable = True
+            self._stop.set()
+            self.say(f"torchrun: torch {torch.__version__} keeps its rendezvous state in another form than this trainer reads "
+                     f"({type(state).__name__}): the waiting, re-form and dropped-node lines are off; training is not affected")
+            return None
+        return state
 
     def present(self, state) -> list[str]:
         """Host names of the nodes taking part or waiting, whose keep-alive is fresh."""
         now = datetime.now(timezone.utc)
-        beats = getattr(state, "last_heartbeats", {})
+        beats = state.last_heartbeats
         fresh = [n for n in _round_nodes(state) if n not in beats or (now - _utc(beats[n])).total_seconds() < STALE_HEARTBEAT_S]
         return sorted({_host(n) for n in fresh})
 
@@ -274,18 +300,18 @@ class Reporter:
         every node's sync removes one whose keep-alive stopped (keep_alive_max_attempt missed ones)
         from the participants of the same round, which nothing else does while the group runs."""
         state = self.state()
-        if state is None or not getattr(state, "complete", False):
+        if state is None or not state.complete:
             return
         me = socket.gethostname().split(".")[0]
         # one leaving for the next round waits in wait_list; a dead one is nowhere
         present = {_host(n) for n in _round_nodes(state)}
-        if getattr(state, "round", None) != self.round:
+        if state.round != self.round:
             # a new round: torchrun stops its workers itself (with a save), unless the round was
             # made without this node while its link was down: then only this node can say so
             if me in self.members and me not in present:
-                others = sorted({_host(n) for n in getattr(state, "participants", {})})
+                others = sorted({_host(n) for n in state.participants})
                 self._cut_off(me, f"the group re-formed without it ({', '.join(others)})")
-                self.members, self.round = others, getattr(state, "round", None)
+                self.members, self.round = others, state.round
             return
         missing = {m for m in self.members if m not in present}
         # missing at two checks in a row: not a node between two steps of its own
@@ -311,8 +337,8 @@ class Reporter:
         state = self.state()
         if state is None:
             return
-        nodes = sorted({_host(n) for n in getattr(state, "participants", {})})
-        self.round = getattr(state, "round", None)
+        nodes = sorted({_host(n) for n in state.participants})
+        self.round = state.round
         if self.members and nodes and nodes != self.members:
             gone, new = [m for m in self.members if m not in nodes], [n for n in nodes if n not in self.members]
             change = "; ".join(filter(None, [f"{', '.join(gone)} left" if gone else "", f"{', '.join(new)} joined" if new else ""]))
@@ -324,7 +350,7 @@ class Reporter:
 
 def _round_nodes(state) -> set:
     """The nodes the round knows of: taking part, waiting for the next round, or redundant."""
-    return set(getattr(state, "participants", {})) | set(getattr(state, "wait_list", ())) | set(getattr(state, "redundancy_list", ()))
+    return set(state.participants) | state.wait_list | state.redundancy_list
 
 
 @functools.lru_cache(maxsize=256)
