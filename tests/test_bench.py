@@ -1,4 +1,4 @@
-"""The benchmark report (trainer/bench/run.py) renders what the GPU runs stored; CPU only."""
+"""The benchmark report (bench/run.py) renders what the GPU runs stored; CPU only."""
 
 import json
 import os
@@ -6,7 +6,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from trainer.bench.run import evict_page_cache, node_files, read_jsonl, table
+from bench.run import evict_page_cache, node_files, read_jsonl, table
 
 RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
 
@@ -70,7 +70,7 @@ def test_the_data_suites_sets_sixteen_times_the_images_over_the_same_shards(tmp_
     """The data suite's 16x set (host memory flat as the set grows) reads the same images again."""
     from conftest import make_jpegs
 
-    from trainer.bench.data import times16
+    from bench.data import times16
     from trainer.shards import ShardSet, write
 
     write(make_jpegs(tmp_path / "img", train=3, test=1), tmp_path / "sh")

@@ -43,3 +43,15 @@ def test_train_help_shows_an_override_that_runs_and_points_at_explain(tmp_path):
     (tmp_path / "configs").symlink_to(ROOT / "configs")  # as written, from a checkout's root (a fresh one: no checkpoints)
     out = run([sys.executable, "-m", "trainer", *example.split()[1:]], cwd=tmp_path)
     assert "done: step 32" in out.stdout + out.stderr and (tmp_path / "checkpoints" / "smoke" / "step-32").is_dir()
+
+
+def test_trainer_bench_outside_a_clone_says_where_the_benchmarks_are(tmp_path):
+    """The benchmarks (bench/) are not part of the installed package: an install without them (a
+    copy of trainer/ alone, as a wheel installs it) refuses in one line and names the fix."""
+    import shutil
+
+    shutil.copytree(ROOT / "trainer", tmp_path / "trainer", ignore=shutil.ignore_patterns("__pycache__"))
+    p = subprocess.run([sys.executable, "-m", "trainer", "bench", "--suite", "seednet"], capture_output=True, text=True, cwd=tmp_path,
+                       env={**env(), "PYTHONPATH": str(tmp_path)})
+    errors = [line for line in p.stderr.splitlines() if line.strip()]
+    assert p.returncode == 2 and len(errors) == 1 and "clone of the repository (bench/)" in errors[0] and "pip install -e ." in errors[0], p.stderr

@@ -176,13 +176,13 @@ def test_a_hung_rank_on_another_host_is_caught_and_the_job_finishes(bed, tmp_pat
     print(f"hung rank on node1 (SIGSTOP) -> training again in {t_back - t_stop:.1f} s (dist.hang_timeout_s=10)")
     assert t_back - t_stop < 10 + 30 + 15  # the bound, the supervisor's margin and a restart
     both_finish(nodes)
-    assert "state T (stopped)" in nodes[1].out
+    assert ", stopped) has made no progress" in nodes[1].out
     # the step on both consoles, the waiting rank's and the stopped one's (its supervisor's line, from
     # the worker's shared step: the heartbeat file lagged a second of steps): the same, or the stopped
     # one a step behind when it stopped between its step's gradient all-reduce and the step's end
-    steps = [int(re.search(r"after step (\d+)", next(x for x in n.out.splitlines() if "no training progress" in x or "state T" in x)).group(1))
+    steps = [int(re.search(r"after step (\d+)", next(x for x in n.out.splitlines() if "no training progress" in x or ", stopped) has made" in x)).group(1))
              for n in nodes]
-    assert 0 <= steps[0] - steps[1] <= 1, "\n".join(x for n in nodes for x in n.out.splitlines() if "after step" in x or "state T" in x)
+    assert 0 <= steps[0] - steps[1] <= 1, "\n".join(x for n in nodes for x in n.out.splitlines() if "after step" in x or ", stopped) has made" in x)
     # node0's console names the rank that stopped, not only its own wait
     assert re.search(r"rank 0 \(node0\): no training progress .*waiting for rank 1 \(node1\), whose process has not run", nodes[0].out), [x for x in nodes[0].out.splitlines() if "progress" in x or "lost" in x]
     assert (ckpt / "hang-rank0.txt").is_file()  # rank 0 waited for it in a collective: its stacks say where

@@ -293,9 +293,18 @@ def torchrun(ctx):
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
 @click.pass_context
+@usage_errors
 def bench(ctx):
-    """GPU benchmark: the article's loop beside this trainer (see BENCHMARKS.md)."""
-    from trainer.bench import run
+    """GPU benchmarks (BENCHMARKS.md): the article's loop beside this trainer. They live in the
+    repository's bench/, outside the installed package: run this from a clone."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    if not (root / "bench" / "run.py").is_file():
+        raise ConfigError(f"trainer bench runs the benchmarks of a clone of the repository (bench/), which this install at {root} "
+                          "does not have; clone it and run `pip install -e .` there, then trainer bench again")
+    sys.path.insert(0, str(root))
+    from bench import run
 
     sys.exit(run.main(ctx.args))
 

@@ -1,54 +1,39 @@
-"""The process tree seen from /proc (Linux): a process's children, its state, killing its children.
-Used by the supervisor (hung workers, an agent left without workers) and by torchrun's rendezvous
-thread (trainer/rendezvous.py)."""
+"""A process's children and state, through psutil. Used by the supervisor (hung workers, an agent
+left without workers) and by torchrun's rendezvous thread (trainer/rendezvous.py)."""
 
 from __future__ import annotations
 
-import os
-import signal
-from pathlib import Path
+import psutil
 
-
-def children(pid: int) -> list[int] | None:
-    """The process's children from /proc (exited ones it has not reaped included); None if /proc
-    cannot say (not Linux, or a kernel without CONFIG_PROC_CHILDREN)."""
-    tasks = Path(f"/proc/{pid}/task")
-    files = list(tasks.glob("*/children")) if tasks.is_dir() else []
-    if not files:
-        return None
-    found: list[int] = []
-    for f in files:
-        try:
-            found += [int(c) for c in f.read_text().split()]
-        except OSError:
-            continue
-    return found
+GONE = (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+"""Exited: a zombie is a child its parent has not reaped (a blocked agent never reaps its dead worker)."""
 
 
 def has_children(pid: int) -> bool | None:
-    """Whether the process has a live child now (exited ones it has not reaped do not count: a
-    blocked agent never reaps its dead worker); None if /proc cannot say."""
-    found = children(pid)
-    if found is None:
+    """Whether the process has a live child now (exited ones it has not reaped do not count); None
+    if the process itself is gone (nothing to tell)."""
+    try:
+        return any(state(c.pid) not in (None, *GONE) for c in psutil.Process(pid).children())
+    except psutil.NoSuchProcess:
         return None
-    return any(not (process_state(c) or "Z").startswith(("Z", "X")) for c in found)
 
 
 def kill_children(pid: int) -> None:
     """SIGKILL every child of ``pid`` (torchrun's workers): torchrun then restarts its group."""
-    for c in children(pid) or []:
+    try:
+        children = psutil.Process(pid).children()
+    except psutil.NoSuchProcess:
+        return
+    for c in children:
         try:
-            os.kill(c, signal.SIGKILL)
-        except ProcessLookupError:
+            c.kill()
+        except psutil.NoSuchProcess:
             pass
 
 
-def process_state(pid: int) -> str | None:
-    """The state letter and name from /proc (T (stopped), D (disk sleep), ...), or None if gone."""
+def state(pid: int) -> str | None:
+    """psutil's word for the process's state (stopped, disk-sleep, zombie ...), or None if gone."""
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("State:"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
+        return psutil.Process(pid).status()
+    except psutil.NoSuchProcess:
         return None
-    return "?"

@@ -264,7 +264,7 @@ class Reporter:
             try:
                 workers = has_children(os.getpid())
                 if workers is None:
-                    return  # no /proc to tell: say nothing rather than guess
+                    return  # torchrun itself is gone: nothing to report on
                 if workers:
                     if waiting_since is not None or not self.members:  # a group formed (this poll's first sight of it)
                         self._joined()

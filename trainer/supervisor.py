@@ -51,7 +51,7 @@ from pathlib import Path
 from trainer import contract, slurm
 from trainer.console import Relay
 from trainer.contract import EXIT_CRASH, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE, say
-from trainer.procs import has_children, process_state
+from trainer.procs import GONE, has_children, state
 from trainer.rendezvous import endpoint, option, rdzv_conf, training_config, with_rdzv_defaults
 
 EXIT_POLICY_ENV = "TRAINER_EXIT_POLICY"
@@ -161,14 +161,14 @@ def kill_hung_workers(folder: Path, margin_s: float = HEARTBEAT_MARGIN_S) -> lis
         if age <= info["bound_s"] + margin_s:
             continue
         hb.unlink(missing_ok=True)  # once per worker
-        state = process_state(info["pid"])
-        if state is None or state.startswith(("Z", "X")):
+        now = state(info["pid"])
+        if now in (None, *GONE):
             continue  # gone already, or exited and not yet reaped by torchrun (its attempt is ending)
         from trainer.watchdog import last_step
 
         step = last_step(folder, info["rank"])  # exact: the heartbeat file's is up to a second old
         step = info["step"] if step is None else step
-        line = (f"trainer torchrun: rank {info['rank']} (pid {info['pid']}, state {state}) has made no progress for {age:.0f} s "
+        line = (f"trainer torchrun: rank {info['rank']} (pid {info['pid']}, {now}) has made no progress for {age:.0f} s "
                 f"after step {step} and its own watchdog did not act (bound {info['bound_s']:.0f} s, dist.hang_timeout_s): "
                 "killing it so that torchrun restarts from the newest checkpoint")
         try:
@@ -204,7 +204,7 @@ class LostRendezvous:
     def check(self) -> str:
         """'' while all is well; else the line to say before ending torchrun."""
         workers = has_children(self.pid)
-        if workers is None or workers:  # None: no /proc to tell (not Linux): never act on a guess
+        if workers is None or workers:  # None: torchrun itself is gone (its exit is handled): never act on a guess
             self.since = time.monotonic()
             return ""
         idle = time.monotonic() - self.since

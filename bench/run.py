@@ -81,7 +81,9 @@ def cmd_for(gpus: int, module: str, args: list[str]) -> list[str]:
 
 def run_case(name: str, cmd: list[str], out: Path, timeout: int, env: dict | None = None) -> tuple[int, str]:
     t0 = time.time()
-    e = {**os.environ, "BENCH_OUT": str(out / "results.jsonl"), **(env or {})}
+    # the cases' modules (bench.micro ...) are the repository's, not the installed package's
+    path = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")]))
+    e = {**os.environ, "BENCH_OUT": str(out / "results.jsonl"), "PYTHONPATH": path, **(env or {})}
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=e)
         code, text = p.returncode, p.stdout + p.stderr
@@ -261,16 +263,16 @@ def _restart(b: Bench) -> None:
 
 
 def _micro(b: Bench) -> None:
-    b.case("matmul", 1, "trainer.bench.micro", ["matmul"], 300)
+    b.case("matmul", 1, "bench.micro", ["matmul"], 300)
     if b.gpus > 1:
-        b.case("allreduce", b.gpus, "trainer.bench.micro", ["allreduce"], 300)
+        b.case("allreduce", b.gpus, "bench.micro", ["allreduce"], 300)
 
 
 def _article(b: Bench) -> None:
-    b.case("article-single", 1, "trainer.bench.article", ["--mode", "single"])
+    b.case("article-single", 1, "bench.article", ["--mode", "single"])
     if b.gpus > 1:
-        b.case("article-dp", 1, "trainer.bench.article", ["--mode", "dp"])
-        b.case("article-ddp", b.gpus, "trainer.bench.article", ["--mode", "ddp"])
+        b.case("article-dp", 1, "bench.article", ["--mode", "dp"])
+        b.case("article-ddp", b.gpus, "bench.article", ["--mode", "ddp"])
 
 
 def _seednet(b: Bench) -> None:
@@ -286,7 +288,7 @@ def _seednet(b: Bench) -> None:
 
 
 def _stall(b: Bench) -> None:
-    b.case("stall", 1, "trainer.bench.micro", ["stall", f"checkpoint.dir={b.tmp / 'stall'}"],
+    b.case("stall", 1, "bench.micro", ["stall", f"checkpoint.dir={b.tmp / 'stall'}"],
            env={"BENCH_TMP": str(b.tmp)})
 
 
@@ -329,7 +331,7 @@ def _seednet_weights(b: Bench) -> None:
     from all-gathered factors (dist.gather_linear_factors)."""
     if b.gpus < 2:
         return
-    b.case("article-ddp", b.gpus, "trainer.bench.article", ["--mode", "ddp"])
+    b.case("article-ddp", b.gpus, "bench.article", ["--mode", "ddp"])
     bf16w = ["train.param_dtype=bf16"]
     ways = {"after": ["dist.gather_linear_factors=false"], "gather": ["dist.gather_linear_factors=auto"]}
     for batch, steps in ((64, 60), (512, 40)):
@@ -339,8 +341,8 @@ def _seednet_weights(b: Bench) -> None:
 
 
 def _data(b: Bench) -> None:
-    """ResNet-50 at 224 px fed three ways (trainer/bench/data.py), its rows appended as they are."""
-    from trainer.bench import data
+    """ResNet-50 at 224 px fed three ways (bench/data.py), its rows appended as they are."""
+    from bench import data
 
     rows = data.run(b.out / "data", Path(b.data))
     for row in rows:

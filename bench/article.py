@@ -5,9 +5,9 @@ PIL images through ``ToTensor`` (as torchvision's CIFAR10 does), batch 64 per pr
 lr 0.01, ``.cuda()`` copies and ``loss.item()`` every step. Synthetic images of CIFAR's shape stand
 in for the download. The one change: it stops after ``--steps`` timed steps.
 
-    python -m trainer.bench.article --mode single --steps 40
-    python -m trainer.bench.article --mode dp --steps 40                   # DataParallel, all GPUs
-    torchrun --nproc-per-node 2 -m trainer.bench.article --mode ddp --steps 40
+    python -m bench.article --mode single --steps 40
+    python -m bench.article --mode dp --steps 40                   # DataParallel, all GPUs
+    torchrun --nproc-per-node 2 -m bench.article --mode ddp --steps 40
 """
 
 from __future__ import annotations

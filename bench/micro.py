@@ -1,10 +1,10 @@
 """Ceilings measured on the machine itself: bf16 matrix-product rate, all-reduce bandwidth, and the
 checkpoint stall of an asynchronous save against a synchronous one in the same run.
 
-    python -m trainer.bench.micro matmul
-    torchrun --nproc-per-node 2 -m trainer.bench.micro allreduce
-    python -m trainer.bench.micro stall key=value...        # seednet by default
-    python -m trainer.bench.micro augment                   # the input pipeline's GPU time
+    python -m bench.micro matmul
+    torchrun --nproc-per-node 2 -m bench.micro allreduce
+    python -m bench.micro stall key=value...        # seednet by default
+    python -m bench.micro augment                   # the input pipeline's GPU time
 """
 
 from __future__ import annotations

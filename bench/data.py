@@ -10,10 +10,10 @@ is also timed alone (the loader, no model: batches on the GPU), its capacity whe
 take more. Host memory: the streamed run again over an index that lists every shard 16 times (16x
 the images, the same files), peak RSS of each.
 
-    python -m trainer.bench.data OUT --cifar DIR [--photo] [--images 25600] [--steps 100]
-    python -m trainer.bench.data --readers SHARDS     # the two readers on the CPU
-    python -m trainer.bench.data --memory SHARDS      # host memory of a streamed CPU run, the set x1 and x16
-    python -m trainer.bench.data --decode CIFAR_DIR   # the GPU decode's parts on photo-like JPEGs, ms per batch of 256
+    python -m bench.data OUT --cifar DIR [--photo] [--images 25600] [--steps 100]
+    python -m bench.data --readers SHARDS     # the two readers on the CPU
+    python -m bench.data --memory SHARDS      # host memory of a streamed CPU run, the set x1 and x16
+    python -m bench.data --decode CIFAR_DIR   # the GPU decode's parts on photo-like JPEGs, ms per batch of 256
 """
 
 from __future__ import annotations
