@@ -202,7 +202,7 @@ def loader_alone(shards: Path, root: Path, steps: int) -> list[dict]:
     more."""
     import torch
 
-    from trainer.config import load_config
+    from trainer.config_loader import load_config
     from trainer.loader import Augment
     from trainer.runtime import setup, teardown
     from trainer.stream import Streamed, StreamLoader

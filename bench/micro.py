@@ -68,7 +68,7 @@ def allreduce() -> None:
 def stall(overrides: list[str]) -> None:
     """Seconds that training stands still for an async save and for a sync save of the same state."""
     from trainer.checkpoint import META, newest_complete
-    from trainer.config import load_config
+    from trainer.config_loader import load_config
     from trainer.loop import Trainer
     from trainer.run import build
     from trainer.runtime import setup
@@ -111,7 +111,7 @@ def stall(overrides: list[str]) -> None:
 def augment() -> None:
     """GPU time of augmenting a whole CIFAR-sized epoch at once (the device loader's work per
     epoch), and of one 512-image step, for both crop modes."""
-    from trainer.config import load_config
+    from trainer.config_loader import load_config
     from trainer.loader import Augment
     from trainer.runtime import Runtime
 

@@ -63,7 +63,8 @@ def check_run(config: str | None, args: list[str]) -> None:
             raise RenderError(f"CONFIG={config} is not in the image, which holds configs/ ({', '.join(shipped)}): add the file to "
                               "configs/, rebuild and push the image, or pass ARGS=key=value ... on top of a shipped config")
     sys.path.insert(0, str(root))
-    from trainer.config import ConfigError, load_config  # yaml only: no torch in the tools venv
+    from trainer.config import ConfigError
+    from trainer.config_loader import load_config  # yaml only: no torch in the tools venv
 
     try:
         load_config(root / (config or "configs/default.yaml"), args)

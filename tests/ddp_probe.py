@@ -8,7 +8,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from trainer.config import load_config
+from trainer.config_loader import load_config
 from trainer.loop import Trainer
 from trainer.run import build
 from trainer.runtime import setup, teardown

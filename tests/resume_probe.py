@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from trainer.config import load_config
+from trainer.config_loader import load_config
 from trainer.loop import Trainer
 from trainer.models import unwrap
 from trainer.run import build

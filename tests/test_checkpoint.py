@@ -161,7 +161,7 @@ def test_the_space_probe_counts_every_model_without_importing_the_compiler():
     code = """
 import json, sys, torch
 from trainer import checkpoint, models
-from trainer.config import load_config
+from trainer.config_loader import load_config
 cfgs = [load_config(c, []) for c in ("configs/default.yaml", "configs/fast.yaml", "configs/seed.yaml")]
 got = [checkpoint.state_bytes(cfg) for cfg in cfgs]
 imported = "torch._dynamo" in sys.modules

@@ -10,7 +10,8 @@ from conftest import run, trainer_cmd
 from PIL import Image
 
 from trainer import data
-from trainer.config import ConfigError, load_config
+from trainer.config import ConfigError
+from trainer.config_loader import load_config
 
 COLOURS = {"blue": (20, 40, 220), "green": (30, 200, 40), "red": (220, 30, 30)}
 

@@ -305,7 +305,7 @@ def test_streamed_shards_decode_on_the_gpu_like_the_cpu(tmp_path):
     and crops as the CPU workers' decode."""
     from conftest import make_jpegs
 
-    from trainer.config import load_config
+    from trainer.config_loader import load_config
     from trainer.loader import Augment
     from trainer.runtime import setup, teardown
     from trainer.shards import write

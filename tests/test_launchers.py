@@ -371,7 +371,8 @@ def test_the_elastic_job_takes_its_range_from_the_operator_and_refuses_a_batch_i
     p = run(cmd, env=env(**variables), check=False, timeout=60)  # PET_NPROC_PER_NODE=8, as the job asks
     lines = [x for x in p.stderr.splitlines() if x.strip()]
     assert p.returncode == 2 and len(lines) == 1 and "(--nnodes 3:4)" in lines[0] and "24, 32 processes" in lines[0], p.stderr
-    from trainer.config import check_world_range, load_config
+    from trainer.config import check_world_range
+    from trainer.config_loader import load_config
 
     check_world_range(load_config(ROOT / "configs" / "default.yaml", ["train.batch_size=480"]), variables["PET_NNODES"], 8)
     from render import render

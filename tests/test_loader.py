@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainer.config import load_config
+from trainer.config_loader import load_config
 from trainer.data import synthetic
 from trainer.loader import Augment, DeviceLoader, HostLoader, eval_batches, eval_shard, random_crop
 from trainer.runtime import Runtime

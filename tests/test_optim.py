@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from trainer.config import load_config
+from trainer.config_loader import load_config
 from trainer.optim import Lookahead, build_optimizer, lr_factor, param_groups
 
 

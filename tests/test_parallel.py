@@ -6,7 +6,7 @@ import torch.distributed as dist
 from conftest import BF16_DDP, DDP_12_STEPS
 
 from trainer import models, parallel
-from trainer.config import load_config
+from trainer.config_loader import load_config
 from trainer.runtime import Runtime
 
 

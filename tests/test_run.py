@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import newest, train, weights
 
-from trainer.config import load_config
+from trainer.config_loader import load_config
 from trainer.run import Fast
 from trainer.runtime import Runtime
 

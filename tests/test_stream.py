@@ -69,7 +69,7 @@ def damage_one_jpeg(sh: Path) -> str:
 
 
 def test_a_damaged_jpeg_in_a_shard_is_skipped_counted_and_past_the_limit_stops(shard_dir, capsys):
-    from trainer.config import load_config
+    from trainer.config_loader import load_config
     from trainer.loader import Augment
     from trainer.runtime import setup, teardown
     from trainer.stream import Streamed, StreamLoader
@@ -135,7 +135,7 @@ def test_the_gpu_paths_decode_ahead_thread_keeps_order_stops_cleanly_and_raises_
     raises on the training thread."""
     import threading
 
-    from trainer.config import load_config
+    from trainer.config_loader import load_config
     from trainer.loader import Augment
     from trainer.runtime import setup, teardown
     from trainer.stream import Streamed, StreamLoader

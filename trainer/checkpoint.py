@@ -40,7 +40,8 @@ import torch
 from torch import nn
 
 from trainer import models
-from trainer.config import Config, ConfigError, to_dict
+from trainer.config import Config, ConfigError
+from trainer.config_loader import to_dict
 from trainer.contract import one_line, say
 from trainer.faults import crash_point
 from trainer.files import flock, sha256, sha256_parts

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from trainer import checkpoint, data, models
-from trainer.config import Config, from_dict, load_config
+from trainer.config import Config
+from trainer.config_loader import from_dict, load_config
 from trainer.data import Split
 from trainer.loader import Augment, eval_batches
 from trainer.runtime import Runtime, all_reduce_sum, setup, teardown

@@ -10,7 +10,7 @@ import torch
 from torch.profiler import record_function
 
 from trainer import compile_cache, parallel
-from trainer.config import to_yaml
+from trainer.config_loader import to_yaml
 from trainer.contract import EXIT_PREEMPTED, stopped_by_torchrun
 from trainer.evaluate import evaluate
 from trainer.faults import crash_point, trace_samples

@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from trainer import contract
-from trainer.config import load_config, node_range
+from trainer.config import node_range
+from trainer.config_loader import load_config
 from trainer.contract import EXIT_CRASH, EXIT_DIR_ENV
 from trainer.procs import has_children, kill_children
 
