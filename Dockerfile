@@ -8,7 +8,7 @@
 FROM python:3.11-slim-bookworm
 
 # HOME is writable by any uid (a `user:` override or OpenShift's random uid has no passwd entry and
-# no home); trainer.supervisor also points the compile caches somewhere writable when HOME is not.
+# no home); trainer.launch.supervisor also points the compile caches somewhere writable when HOME is not.
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \

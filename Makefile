@@ -187,7 +187,7 @@ torchx-k8s: tools ## TorchX's job on the Kubernetes cluster of your kubeconfig
 	@kubectl config current-context >/dev/null 2>&1 || { echo "error: no Kubernetes cluster configured (kubectl config current-context fails); set KUBECONFIG or write ~/.kube/config, then run make torchx-k8s again" >&2; exit 2; }
 	@ns=$${NAMESPACE:-$$(kubectl config view --minify -o jsonpath='{..namespace}')}; ns=$${ns:-default}; \
 	echo "torchx-k8s: namespace $$ns (NAMESPACE, else kubectl's current one: where make k8s-storage put the PVCs)"; \
-	$(TOOLS)/torchx run $(TORCHX_FLAGS) --workspace "" -s kubernetes -cfg namespace=$$ns trainer/components.py:train_ddp --image $(IMAGE) \
+	$(TOOLS)/torchx run $(TORCHX_FLAGS) --workspace "" -s kubernetes -cfg namespace=$$ns trainer/launch/components.py:train_ddp --image $(IMAGE) \
 		--j $(NODES)x$(GPUS) --gpu $(GPUS) --config $(CONFIG) --checkpoint_mount cifar-checkpoints --data_mount cifar-data -- $(ARGS)
 
 # Start a one-node Slurm cluster here (root; Debian's slurm-wlm and munge)

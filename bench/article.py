@@ -24,8 +24,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-from trainer.data import synthetic
-from trainer.models import seednet
+from trainer.worker.data import synthetic
+from trainer.worker.models import seednet
 
 
 class SyntheticCIFAR(Dataset):

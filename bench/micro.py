@@ -67,11 +67,11 @@ def allreduce() -> None:
 
 def stall(overrides: list[str]) -> None:
     """Seconds that training stands still for an async save and for a sync save of the same state."""
-    from trainer.checkpoint import META, newest_complete
     from trainer.config_loader import load_config
-    from trainer.loop import Trainer
-    from trainer.run import build
-    from trainer.runtime import setup
+    from trainer.worker.checkpoint import META, newest_complete
+    from trainer.worker.loop import Trainer
+    from trainer.worker.run import build
+    from trainer.worker.runtime import setup
 
     folder = tempfile.mkdtemp(prefix="stall-", dir=os.environ.get("BENCH_TMP"))
     cfg = load_config("configs/seed.yaml", ["data.name=synthetic", "data.synthetic_train_size=4096",
@@ -112,8 +112,8 @@ def augment() -> None:
     """GPU time of augmenting a whole CIFAR-sized epoch at once (the device loader's work per
     epoch), and of one 512-image step, for both crop modes."""
     from trainer.config_loader import load_config
-    from trainer.loader import Augment
-    from trainer.runtime import Runtime
+    from trainer.worker.loader import Augment
+    from trainer.worker.runtime import Runtime
 
     rt = Runtime("single", 0, 0, 1, 1, torch.device("cuda"), None)
     images = torch.randint(0, 256, (50_000, 3, 32, 32), dtype=torch.uint8, device="cuda")

@@ -5,8 +5,8 @@
 #
 # Signals here (the batch shell): USR1, Slurm's warning before the time limit, becomes SIGTERM to
 # every job step (scancel); SIGTERM of a preemption goes from Slurm to the steps itself. In each
-# step the supervisor passes it to torchrun (trainer/supervisor.py), which passes it to the workers,
-# which save and exit 75 (trainer/stop.py).
+# step the supervisor passes it to torchrun (trainer/launch/supervisor.py), which passes it to the workers,
+# which save and exit 75 (trainer/worker/stop.py).
 #
 # Environment (all optional):
 #   CONFIG=configs/default.yaml   trainer config file (relative to the repository)

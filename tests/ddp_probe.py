@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 
 from trainer.config_loader import load_config
-from trainer.loop import Trainer
-from trainer.run import build
-from trainer.runtime import setup, teardown
+from trainer.worker.loop import Trainer
+from trainer.worker.run import build
+from trainer.worker.runtime import setup, teardown
 
 
 def main() -> None:

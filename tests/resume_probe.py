@@ -16,10 +16,10 @@ import sys
 import torch
 
 from trainer.config_loader import load_config
-from trainer.loop import Trainer
-from trainer.models import unwrap
-from trainer.run import build
-from trainer.runtime import setup, teardown
+from trainer.worker.loop import Trainer
+from trainer.worker.models import unwrap
+from trainer.worker.run import build
+from trainer.worker.runtime import setup, teardown
 
 
 def layout(t: torch.Tensor) -> tuple:

@@ -5,7 +5,8 @@
     long functions  functions there of more than LONG lines
     import cycles   groups of trainer modules that import each other, at any depth (a function's
                     local import counts: it hides the arrow, it does not remove it)
-    upward arrows   a worker-side module importing a launcher-side one (LAUNCHER)
+    upward arrows   a module outside trainer/launch/ (the worker side, and what both sides share)
+                    importing one of trainer/launch/
     long lines      lines over 120 characters in trainer/ (with bench/) and tests/
     fixed sleeps    time.sleep calls in tests outside a loop (a poll has a loop; a fixed wait is a
                     guess at how long something takes, which a loaded machine makes wrong), but
@@ -26,8 +27,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "trainer"
 LONG = 40
-LAUNCHER = {"cli", "supervisor", "slurm", "rendezvous", "torchrun", "procs", "components", "check", "__main__"}
-"""Modules that run in the launcher's process (torchrun's supervisor, the CLI, TorchX); the rest run in workers."""
+LAUNCHER = "launch"
+"""The subpackage of what runs in the launcher's process (the CLI, torchrun's supervisor, Slurm, TorchX)."""
+SUBPACKAGES = ("launch", "worker")
 
 
 def modules(include_bench: bool = False) -> list[Path]:
@@ -63,6 +65,8 @@ def imports(path: Path) -> set[str]:
             parts = node.module.split(".")
             if len(parts) == 1:  # from trainer import x, y: modules x and y
                 found.update(a.name for a in node.names)
+            elif len(parts) == 2 and parts[1] in SUBPACKAGES:  # from trainer.worker import run: module worker.run
+                found.update(f"{parts[1]}.{a.name}" for a in node.names)
             else:
                 found.add(".".join(parts[1:]))
         elif isinstance(node, ast.Import):
@@ -136,7 +140,7 @@ def card() -> dict:
                  if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
     graph = {module_name(p): {m for m in imports(p) if m != module_name(p)} for p in modules(include_bench=True)}
     upward = sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps
-                    if m.split(".")[0] not in LAUNCHER and m.split(".")[0] != "bench" and d in LAUNCHER)
+                    if m.split(".")[0] not in (LAUNCHER, "__main__", "bench") and d.split(".")[0] == LAUNCHER)
     long_lines = {str(p.relative_to(ROOT)): n for p in [*modules(include_bench=True), *sorted((ROOT / "tests").glob("*.py"))]
                   if (n := sum(len(line) > 120 for line in p.read_text().splitlines()))}
     sleeps = {p.name: lines for p in sorted((ROOT / "tests").glob("*.py")) if (lines := fixed_sleeps(p))}

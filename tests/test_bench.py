@@ -71,7 +71,7 @@ def test_the_data_suites_sets_sixteen_times_the_images_over_the_same_shards(tmp_
     from conftest import make_jpegs
 
     from bench.data import times16
-    from trainer.shards import ShardSet, write
+    from trainer.worker.shards import ShardSet, write
 
     write(make_jpegs(tmp_path / "img", train=3, test=1), tmp_path / "sh")
     times16(tmp_path / "sh", tmp_path / "x16")

@@ -11,9 +11,9 @@ import pytest
 import torch
 from conftest import ROOT, env
 
-from trainer import checkpoint
-from trainer.checkpoint import AsyncWriter, CheckpointError
 from trainer.files import sha256, sha256_parts
+from trainer.worker import checkpoint
+from trainer.worker.checkpoint import AsyncWriter, CheckpointError
 
 
 def state(step: int) -> dict:
@@ -105,7 +105,7 @@ def test_keep_last_k_never_deletes_the_only_good_checkpoint(tmp_path):
 def test_crash_between_write_and_rename_leaves_the_old_checkpoint(tmp_path):
     checkpoint.write(state(1), tmp_path, 1, keep=3)
     code = (
-        "import sys, torch; from trainer import checkpoint; from pathlib import Path\n"
+        "import sys, torch; from trainer.worker import checkpoint; from pathlib import Path\n"
         "checkpoint.write({'format': 1, 'model': {'w': torch.ones(1000)}}, Path(sys.argv[1]), 2, 3)\n"
     )
     p = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env(TRAINER_FAULT="before-rename:kill"), cwd=ROOT)
@@ -160,7 +160,7 @@ def test_the_space_probe_counts_every_model_without_importing_the_compiler():
     # gives the same parameter bytes.
     code = """
 import json, sys, torch
-from trainer import checkpoint, models
+from trainer.worker import checkpoint, models
 from trainer.config_loader import load_config
 cfgs = [load_config(c, []) for c in ("configs/default.yaml", "configs/fast.yaml", "configs/seed.yaml")]
 got = [checkpoint.state_bytes(cfg) for cfg in cfgs]
@@ -218,7 +218,7 @@ def test_keep_k_needs_room_for_k_plus_one_checkpoints(tmp_path):
 FULL_DISK = """
 import resource, signal, sys, torch
 from pathlib import Path
-from trainer import checkpoint
+from trainer.worker import checkpoint
 root = Path(sys.argv[1])
 checkpoint.write({"format": 1, "model_name": "tinynet", "model": {"w": torch.ones(10)}}, root, 1, 3)
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)           # a write past the limit fails with EFBIG,

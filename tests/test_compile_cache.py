@@ -1,4 +1,4 @@
-"""Compiled artifacts on the checkpoint volume (trainer/compile_cache.py): the key, damage, pruning,
+"""Compiled artifacts on the checkpoint volume (trainer/worker/compile_cache.py): the key, damage, pruning,
 and a real compiled run that saves them and a restart on a "fresh node" that loads them."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import pytest
 import torch
 from conftest import env, run
 
-from trainer import compile_cache
 from trainer.config import Config
-from trainer.run import Fast
-from trainer.runtime import Runtime
+from trainer.worker import compile_cache
+from trainer.worker.run import Fast
+from trainer.worker.runtime import Runtime
 
 
 def runtime(world_size: int = 1, strategy: str = "cpu") -> Runtime:
@@ -89,7 +89,7 @@ def test_importing_the_trainer_leaves_the_nodes_inductor_folder_alone(tmp_path):
     # importing torch._dynamo creates TORCHINDUCTOR_CACHE_DIR: before compile_cache.use has pointed
     # it at the volume, that folder is the node's own
     local = tmp_path / "node" / "inductor"
-    p = run([sys.executable, "-c", "import trainer.cli, trainer.loop, trainer.parallel, trainer.run, trainer.optim"],
+    p = run([sys.executable, "-c", "import trainer.launch.cli, trainer.worker.loop, trainer.worker.parallel, trainer.worker.run, trainer.worker.optim"],
             env=env(TORCHINDUCTOR_CACHE_DIR=str(local)), timeout=120)
     assert p.returncode == 0 and not local.exists(), p.stdout[-2000:]
 

@@ -1,4 +1,4 @@
-"""trainer/console.py: torch's native stderr lines go to the run folder, the project's stay on the console."""
+"""trainer/launch/console.py: torch's native stderr lines go to the run folder, the project's stay on the console."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 import pytest
 from conftest import env, run
 
-from trainer.console import NATIVE, Relay
+from trainer.launch.console import NATIVE, Relay
 
 # what a survivor printed when the peer holding the workers' store was lost (issue 49), shortened; the
 # "<omitting python frames>" line reached the console on the test bed (2026-12-06)

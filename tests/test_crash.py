@@ -1,4 +1,4 @@
-"""What a worker says when it fails (trainer/crash.py): one line naming the lost rank and host, the
+"""What a worker says when it fails (trainer/worker/crash.py): one line naming the lost rank and host, the
 step and what happens next; the traceback in the run folder. Real processes, real gloo, real torchrun."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import subprocess
 import pytest
 from conftest import ROOT, TINY, env, free_port, trainer_cmd
 
-from trainer import crash
+from trainer.worker import crash
 
 HOSTS = [("node0", ["10.9.0.10"]), ("node1", ["10.9.0.11"]), ("node2", ["10.9.0.12", "10.9.1.12"])]
 

@@ -9,9 +9,9 @@ import torch
 from conftest import run, trainer_cmd
 from PIL import Image
 
-from trainer import data
 from trainer.config import ConfigError
 from trainer.config_loader import load_config
+from trainer.worker import data
 
 COLOURS = {"blue": (20, 40, 220), "green": (30, 200, 40), "red": (220, 30, 30)}
 
@@ -200,7 +200,7 @@ def test_classes_that_differ_or_an_empty_class_folder_are_one_line(tmp_path):
 
 
 def test_the_path_is_decided_by_the_decoded_size_against_the_memory(tmp_path, monkeypatch):
-    from trainer import shards
+    from trainer.worker import shards
 
     root = make_folder(tmp_path / "d", per_class=10, size=40)
     shards.write(root, tmp_path / "sh")

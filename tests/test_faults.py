@@ -207,7 +207,7 @@ def test_a_silent_rank_times_out_instead_of_hanging(tmp_path, reference, trial_n
 
 def forged(tmp_path: Path, mutate) -> Path:
     """A real checkpoint, altered by ``mutate`` and re-sealed with a matching checksum."""
-    from trainer import checkpoint
+    from trainer.worker import checkpoint
 
     src = tmp_path / "src"
     run(trainer_cmd("train", *TINY, f"checkpoint.dir={src}", "train.epochs=1"))

@@ -527,7 +527,7 @@ def test_a_streamed_epoch_stays_exact_when_an_elastic_job_grows(bed, tmp_path):
     (per-sample ids of every rank and attempt)."""
     from conftest import make_jpegs, slow_steps
 
-    from trainer.shards import write
+    from trainer.worker.shards import write
 
     write(make_jpegs(tmp_path / "img", train=12, test=3), tmp_path / "sh")  # 120 images: 10 steps of 12
     job = ["data.name=shards", f"data.dir={tmp_path / 'sh'}", "data.loader=stream", "data.image_size=32", "data.stream_workers=1",
@@ -545,7 +545,7 @@ def test_a_streamed_epoch_stays_exact_when_an_elastic_job_grows(bed, tmp_path):
         for line in f.read_text().splitlines():
             epoch, step, *ids = map(int, line.split())
             steps.setdefault((epoch, step), []).extend(ids)
-    from trainer.loader import epoch_order
+    from trainer.worker.loader import epoch_order
 
     assert sorted(steps) == [(e, s) for e in range(3) for s in range(10)]
     for (epoch, step), ids in steps.items():  # the one-process order: global batch k, whatever the world size

@@ -751,7 +751,7 @@ def scheduler_request(out: str) -> str:
 def test_torchx_local_cwd_runs_the_ddp_component_from_a_venv_not_activated(tmp_path):
     # `.venv/bin/torchx run ...` with nothing of the venv on PATH (no torchrun, no trainer, no python)
     path = os.pathsep.join(d for d in os.environ["PATH"].split(os.pathsep) if not shutil.which("torchrun", path=d))
-    p = torchx("run", "--workspace", "", "-s", "local_cwd", "trainer/components.py:train_ddp", "--j", "1x2", "--gpu", "0", "--config", "configs/smoke.yaml",
+    p = torchx("run", "--workspace", "", "-s", "local_cwd", "trainer/launch/components.py:train_ddp", "--j", "1x2", "--gpu", "0", "--config", "configs/smoke.yaml",
                "--checkpoint_mount", "", "--checkpoint_dir", str(tmp_path / "ck"), "--data_dir", str(tmp_path / "data"), "--", "train.epochs=1",
                "train.plot=false", env=env(TORCHX_LOG_DIR=str(tmp_path / "logs"), PATH=path), timeout=600)
     out = p.stdout + p.stderr
@@ -765,10 +765,10 @@ def test_torchx_trains_from_shards_on_its_data_dir(tmp_path):
     """Your own images under TorchX: the shards on --data_dir, data.name=shards after --, streamed."""
     from conftest import make_jpegs
 
-    from trainer.shards import write
+    from trainer.worker.shards import write
 
     write(make_jpegs(tmp_path / "myset", train=12, test=3, size=32), tmp_path / "shards")
-    p = torchx("run", "--workspace", "", "-s", "local_cwd", "trainer/components.py:train_ddp", "--j", "1x2", "--gpu", "0", "--config", "configs/smoke.yaml",
+    p = torchx("run", "--workspace", "", "-s", "local_cwd", "trainer/launch/components.py:train_ddp", "--j", "1x2", "--gpu", "0", "--config", "configs/smoke.yaml",
                "--checkpoint_mount", "", "--checkpoint_dir", str(tmp_path / "ck"), "--data_dir", str(tmp_path / "shards"), "--", "data.name=shards",
                "data.loader=stream", "train.epochs=1", "train.batch_size=24", "train.plot=false", env=env(TORCHX_LOG_DIR=str(tmp_path / "logs")), timeout=600)
     out = p.stdout + p.stderr
@@ -781,7 +781,7 @@ def test_torchx_local_from_the_tools_venv_runs_the_repositorys_venv_or_says_what
     """docs/launchers.md's TorchX block in order: `make tools` (TorchX, no torch), then a local run. With
     the repository's .venv the job runs in it; in a clone without one, the job stops in one line
     that says what to install (no ModuleNotFoundError, no 'python: not found')."""
-    local = ["run", "--workspace", "", "-s", "local_cwd", "trainer/components.py:train_ddp", "--j", "1x1", "--gpu", "0", "--config",
+    local = ["run", "--workspace", "", "-s", "local_cwd", "trainer/launch/components.py:train_ddp", "--j", "1x1", "--gpu", "0", "--config",
              "configs/smoke.yaml", "--checkpoint_mount", "", "--checkpoint_dir", str(tmp_path / "ck"), "--data_dir", str(tmp_path / "data"),
              "--", "train.epochs=1", "train.plot=false"]
     no_torch = os.pathsep.join(d for d in os.environ["PATH"].split(os.pathsep) if ".venv" not in d)
@@ -805,9 +805,9 @@ def test_torchx_local_from_the_tools_venv_runs_the_repositorys_venv_or_says_what
 @pytest.mark.slow
 @pytest.mark.parametrize("args, words", [
     # train_single asks for a GPU by default: the fix is the component's flag
-    (["trainer/components.py:train_single", "--checkpoint_mount", ""], "none is visible; pass --gpu 0 to the component"),
+    (["trainer/launch/components.py:train_single", "--checkpoint_mount", ""], "none is visible; pass --gpu 0 to the component"),
     # the local scheduler mounts nothing: checkpoints would land on a folder of the node
-    (["trainer/components.py:train_ddp", "--gpu", "0"], "nothing is mounted there: this scheduler mounts nothing"),
+    (["trainer/launch/components.py:train_ddp", "--gpu", "0"], "nothing is mounted there: this scheduler mounts nothing"),
 ])
 def test_torchx_local_bad_input_is_one_line_with_the_components_fix_and_no_traceback(tmp_path, args, words):
     p = torchx("run", "--workspace", "", "-s", "local_cwd", *args, "--config", "configs/smoke.yaml", "--checkpoint_dir", str(tmp_path / "ck" / "run"),
@@ -821,7 +821,7 @@ def test_torchx_local_bad_input_is_one_line_with_the_components_fix_and_no_trace
 
 
 def test_torchx_kubernetes_dryrun_is_a_valid_volcano_job():
-    p = torchx("run", "--workspace", "", "--dryrun", "-s", "kubernetes", "trainer/components.py:train_ddp", "--image", "reg/cluster-trainer:1",
+    p = torchx("run", "--workspace", "", "--dryrun", "-s", "kubernetes", "trainer/launch/components.py:train_ddp", "--image", "reg/cluster-trainer:1",
                "--j", "2x8", "--gpu", "8", "--checkpoint_mount", "cifar-checkpoints", "--data_mount", "cifar-data", "--", "train.epochs=3")
     job = yaml.safe_load(scheduler_request(p.stdout))
     assert job["kind"] == "Job" and job["apiVersion"] == "batch.volcano.sh/v1alpha1"
@@ -863,7 +863,7 @@ def test_the_readmes_torchx_commands_dry_run_as_written():
 
 
 def test_torchx_slurm_dryrun_asks_for_the_right_resources():
-    p = torchx("run", "--workspace", "", "--dryrun", "-s", "slurm", "trainer/components.py:train_ddp", "--j", "2x4", "--gpu", "4", "--cpu", "16",
+    p = torchx("run", "--workspace", "", "--dryrun", "-s", "slurm", "trainer/launch/components.py:train_ddp", "--j", "2x4", "--gpu", "4", "--cpu", "16",
                "--checkpoint_dir", "/shared/ckpt/cifar")
     script = scheduler_request(p.stdout)
     jobs = [line for line in script.splitlines() if line.startswith("#SBATCH --job-name")]
@@ -877,7 +877,7 @@ def test_torchx_slurm_dryrun_asks_for_the_right_resources():
 
 
 def test_torchx_takes_an_etcd_rendezvous_endpoint():
-    p = torchx("run", "--workspace", "", "--dryrun", "-s", "slurm", "trainer/components.py:train_ddp", "--j", "2:3x4", "--gpu", "4",
+    p = torchx("run", "--workspace", "", "--dryrun", "-s", "slurm", "trainer/launch/components.py:train_ddp", "--j", "2:3x4", "--gpu", "4",
                "--rdzv_endpoint", "etcd.example.org:2379", "--checkpoint_dir", "/shared/ckpt/cifar")
     script = scheduler_request(p.stdout)
     assert "--rdzv-backend etcd-v2" in script and '--rdzv-endpoint "etcd.example.org:2379"' in script, script
@@ -1223,7 +1223,7 @@ def test_make_k8s_apply_stops_before_kubectl_apply_on_a_local_image_name(tools_v
 @pytest.mark.parametrize("component", ["train_ddp", "train_single"])
 def test_torchx_checkpoints_go_to_the_storage_pvc_unless_told_otherwise(component):
     def claims(*extra: str) -> list:
-        p = torchx("run", "--workspace", "", "--dryrun", "-s", "kubernetes", f"trainer/components.py:{component}", "--image", "reg/cluster-trainer:1", *extra)
+        p = torchx("run", "--workspace", "", "--dryrun", "-s", "kubernetes", f"trainer/launch/components.py:{component}", "--image", "reg/cluster-trainer:1", *extra)
         pod = yaml.safe_load(scheduler_request(p.stdout))["spec"]["tasks"][0]["template"]["spec"]
         mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
         return [(v["persistentVolumeClaim"]["claimName"], mounts[v["name"]]) for v in pod["volumes"] if "persistentVolumeClaim" in v]
@@ -1235,7 +1235,7 @@ def test_torchx_checkpoints_go_to_the_storage_pvc_unless_told_otherwise(componen
 
 def test_torchx_ddp_asks_one_gpu_per_process_unless_told_otherwise():
     def limits(*extra: str) -> list:
-        p = torchx("run", "--workspace", "", "--dryrun", "-s", "kubernetes", "trainer/components.py:train_ddp", "--image", "reg/cluster-trainer:1",
+        p = torchx("run", "--workspace", "", "--dryrun", "-s", "kubernetes", "trainer/launch/components.py:train_ddp", "--image", "reg/cluster-trainer:1",
                    "--j", "2x4", *extra)
         job = yaml.safe_load(scheduler_request(p.stdout))
         return [t["template"]["spec"]["containers"][0]["resources"]["limits"].get("nvidia.com/gpu") for t in job["spec"]["tasks"]]
@@ -1249,7 +1249,7 @@ def test_torchx_elastic_range_reaches_torchrun_and_the_scheduler():
     add up to it), and every pod's command hands torchrun the range, which `trainer torchrun`
     checks against the batch. (TorchX 0.7 also asks Volcano to restart the whole job when a pod
     fails: on Kubernetes through TorchX a lost pod restarts the job, which may then start with MIN.)"""
-    p = torchx("run", "--workspace", "", "--dryrun", "-s", "kubernetes", "trainer/components.py:train_ddp", "--image", "reg/cluster-trainer:1",
+    p = torchx("run", "--workspace", "", "--dryrun", "-s", "kubernetes", "trainer/launch/components.py:train_ddp", "--image", "reg/cluster-trainer:1",
                "--j", "2:3x8", "--", "train.batch_size=480")
     job = yaml.safe_load(scheduler_request(p.stdout))
     assert len(job["spec"]["tasks"]) == 3 and sum(t["minAvailable"] for t in job["spec"]["tasks"]) == 2, job["spec"]["tasks"]
@@ -1269,7 +1269,8 @@ def test_no_test_reads_anything_beside_the_repository():
 def test_the_component_names_the_mounts_variable_the_supervisor_reads():
     """components.py cannot import the trainer (torchx runs its text from a venv that may lack it):
     its copy of the variable's name must be the contract's."""
-    from trainer import components, contract
+    from trainer import contract
+    from trainer.launch import components
 
     assert components.MOUNTS_ENV == contract.MOUNTS_ENV
 
@@ -1279,7 +1280,7 @@ def test_make_takes_shards_or_an_image_folder_as_data(tmp_path):
     trains as data.name=shards, any other folder as an image folder."""
     from conftest import make_jpegs
 
-    from trainer.shards import write
+    from trainer.worker.shards import write
 
     write(make_jpegs(tmp_path / "img", train=2, test=1), tmp_path / "sh")
     for data, name in ((tmp_path / "sh", "shards"), (tmp_path / "img", "imagefolder")):

@@ -5,9 +5,9 @@ import torch
 import torch.nn.functional as F
 
 from trainer.config_loader import load_config
-from trainer.data import synthetic
-from trainer.loader import Augment, DeviceLoader, HostLoader, eval_batches, eval_shard, random_crop
-from trainer.runtime import Runtime
+from trainer.worker.data import synthetic
+from trainer.worker.loader import Augment, DeviceLoader, HostLoader, eval_batches, eval_shard, random_crop
+from trainer.worker.runtime import Runtime
 
 CPU = torch.device("cpu")
 

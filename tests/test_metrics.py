@@ -5,7 +5,7 @@ import sys
 import pytest
 from conftest import TINY, run
 
-from trainer.metrics import merged
+from trainer.worker.metrics import merged
 
 
 def test_merged_is_the_union_of_intervals():
@@ -41,7 +41,7 @@ def test_tensorboard_curves_continue_across_a_resume_without_doubles(ckpt):
 
 def test_without_the_tensorboard_package_training_is_silent_about_it(ckpt):
     code = ("import sys; sys.modules['torch.utils.tensorboard'] = None\n"
-            "from trainer.cli import entry; sys.argv = ['trainer', *sys.argv[1:]]; entry()")
+            "from trainer.launch.cli import entry; sys.argv = ['trainer', *sys.argv[1:]]; entry()")
     p = run([sys.executable, "-c", code, "train", *TINY, f"checkpoint.dir={ckpt}", "train.epochs=1"])
     said = (p.stdout + p.stderr).replace(str(ckpt), "CKPT").lower()
     assert "tensorboard" not in said and not (ckpt / "tensorboard").exists()
@@ -51,7 +51,7 @@ def test_without_the_tensorboard_package_training_is_silent_about_it(ckpt):
 def test_startup_phases_add_up_to_the_time_since_the_start():
     import time
 
-    from trainer.metrics import Startup
+    from trainer.worker.metrics import Startup
 
     t0 = time.perf_counter()
     clock = Startup(t0)
@@ -69,7 +69,7 @@ def test_startup_phases_add_up_to_the_time_since_the_start():
 
 
 def test_a_rank_persistently_slower_than_the_median_is_named_and_noise_is_not():
-    from trainer.metrics import Stragglers
+    from trainer.worker.metrics import Stragglers
 
     class OneHost:
         collectives, world_size = False, 4
@@ -86,7 +86,7 @@ def test_a_rank_persistently_slower_than_the_median_is_named_and_noise_is_not():
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_rank_twice_as_slow_as_its_peers_is_named_at_two_and_three_ranks(world):
-    from trainer.metrics import Stragglers
+    from trainer.worker.metrics import Stragglers
 
     class Ranks:
         collectives, world_size = False, world
@@ -120,7 +120,7 @@ def test_a_slowed_rank_is_named_on_the_progress_line_and_a_clean_run_names_none(
 
 
 def test_curves_draw_every_log_line_once_and_whole_epoch_ticks_under_a_title():
-    from trainer.metrics import draw_curves
+    from trainer.worker.metrics import draw_curves
 
     logs = [{"step": k, "loss": 2.0 - k / 100, "images_per_s": 1000.0 + k} for k in (10, 20, 30, 20, 30, 40)]  # resumed at 20
     epochs = [{"epoch": 1, "step": 25, "train_loss": 1.8, "test_acc": 0.41}, {"epoch": 2, "step": 50, "train_loss": 1.6, "test_acc": 0.55}]
@@ -139,7 +139,7 @@ def test_the_others_median_of_each_rank_matches_the_median_taken_without_it():
     import random
     import statistics
 
-    from trainer.metrics import medians_of_the_others
+    from trainer.worker.metrics import medians_of_the_others
 
     rng = random.Random(0)
     for _ in range(500):

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from trainer.models import REGISTRY, build, unwrap
+from trainer.worker.models import REGISTRY, build, unwrap
 
 
 def test_registry_names():
@@ -82,7 +82,7 @@ def test_unwrap_removes_dataparallel_and_compile_wrappers():
 
 
 def test_torchvision_models_by_name_with_the_datas_classes():
-    from trainer.models import input_problem
+    from trainer.worker.models import input_problem
 
     net = build("resnet50", num_classes=12, image_size=64)
     assert net.fc.out_features == 12 and type(net).__module__.startswith("torchvision")

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from trainer.config_loader import load_config
-from trainer.optim import Lookahead, build_optimizer, lr_factor, param_groups
+from trainer.worker.optim import Lookahead, build_optimizer, lr_factor, param_groups
 
 
 def test_biases_learn_faster_with_the_same_decay_per_step():
@@ -53,7 +53,7 @@ def test_bf16_weights_follow_torch_sgd_on_their_fp32_masters(compiled, momentum,
     """train.param_dtype=bf16: the masters take torch.optim.SGD's steps from the bf16 gradients
     (same lr schedule and momentum), and the working weights are the masters rounded to bf16 after
     every step; the optimizer holds the working weights and steps only the other parameters."""
-    from trainer.optim import MasterWeights, build_schedule
+    from trainer.worker.optim import MasterWeights, build_schedule
 
     torch.manual_seed(0)
     cfg = load_config(None, [f"optim.momentum={momentum}", f"optim.nesterov={str(nesterov).lower()}", f"optim.weight_decay={wd}",
@@ -95,7 +95,7 @@ def test_bf16_weights_follow_torch_sgd_on_their_fp32_masters(compiled, momentum,
 def test_masters_are_a_checkpoint_part_of_their_own():
     """The fp32 masters and their momentum save and load as one part; without them (a checkpoint of
     an fp32 run) they start from the restored weights with zero momentum."""
-    from trainer.optim import MasterWeights
+    from trainer.worker.optim import MasterWeights
 
     cfg = load_config(None, ["optim.momentum=0.9", "train.precision=bf16", "train.param_dtype=bf16"])
     model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))

@@ -5,9 +5,9 @@ import torch
 import torch.distributed as dist
 from conftest import BF16_DDP, DDP_12_STEPS
 
-from trainer import models, parallel
 from trainer.config_loader import load_config
-from trainer.runtime import Runtime
+from trainer.worker import models, parallel
+from trainer.worker.runtime import Runtime
 
 
 def test_ddp_settings_reach_the_wrapper(tmp_path):
@@ -48,8 +48,8 @@ def test_compiled_ddp_splits_its_graph_only_for_large_gradients():
 
 
 def test_linear_layers_gather_factors_only_where_that_sends_fewer_values():
-    from trainer.models import build
-    from trainer.parallel import GatheredFactorsLinear, gather_linear_factors
+    from trainer.worker.models import build
+    from trainer.worker.parallel import GatheredFactorsLinear, gather_linear_factors
 
     with torch.device("meta"):  # seednet's shapes without its 2.4 GB
         net = build("seednet")
@@ -63,8 +63,8 @@ def test_linear_layers_gather_factors_only_where_that_sends_fewer_values():
 
 
 def test_a_gathered_linear_stays_out_of_the_compiled_graphs():
-    from trainer.models import build
-    from trainer.parallel import gather_linear_factors
+    from trainer.worker.models import build
+    from trainer.worker.parallel import gather_linear_factors
 
     def linears_compiled(net) -> int:
         found = []

@@ -1,4 +1,4 @@
-"""What torchrun's rendezvous reporter says while a multi-node group waits (trainer/rendezvous.py),
+"""What torchrun's rendezvous reporter says while a multi-node group waits (trainer/launch/rendezvous.py),
 against a real TCPStore; the nodes' own waits are in test_hosts.py."""
 
 import socket
@@ -6,7 +6,7 @@ from datetime import datetime, timedelta, timezone
 
 import torch.distributed as dist
 
-from trainer.rendezvous import Reporter
+from trainer.launch.rendezvous import Reporter
 
 
 def free_port() -> int:
@@ -36,7 +36,7 @@ def test_torchs_private_rendezvous_state_is_in_the_form_the_reporter_reads():
     from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend as c10d
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dynamic
 
-    from trainer.rendezvous import readable
+    from trainer.launch.rendezvous import readable
 
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)

@@ -147,7 +147,7 @@ def test_old_checkpoints_with_dense_momentum_resume_in_the_parameters_layout(tmp
                 dense += not v.is_contiguous()
     state["model"] = {k: v.contiguous() for k, v in state["model"].items()}
     assert dense, "the reference run should have channels-last momentum buffers"
-    from trainer import checkpoint
+    from trainer.worker import checkpoint
 
     checkpoint.write(state, tmp_path / "b", RESUME_AT, keep=3)
     res = probe(tmp_path / "res.pt", [*args, f"checkpoint.dir={tmp_path / 'b'}"], 1)

@@ -5,8 +5,8 @@ import torch
 from conftest import newest, train, weights
 
 from trainer.config_loader import load_config
-from trainer.run import Fast
-from trainer.runtime import Runtime
+from trainer.worker.run import Fast
+from trainer.worker.runtime import Runtime
 
 PLAIN = ["train.precision=fp32", "model.compile=false", "model.channels_last=false", "data.device_resident=false",
          "optim.impl=loop", "checkpoint.async_save=false"]

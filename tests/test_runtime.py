@@ -9,7 +9,7 @@ from conftest import ROOT, TINY, env, free_port, run, torchrun_cmd, train, train
 
 from trainer.config import ConfigError
 from trainer.config_loader import load_config
-from trainer.runtime import check_batch, resolve
+from trainer.worker.runtime import check_batch, resolve
 
 DIST_ENV = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
 

@@ -1,4 +1,4 @@
-"""trainer/shards.py: an image folder written as WebDataset shards once, read back by index; bad
+"""trainer/worker/shards.py: an image folder written as WebDataset shards once, read back by index; bad
 input in one line each (real files, real tars, the real CLI)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 from conftest import make_jpegs, run, trainer_cmd
 from PIL import Image
 
-from trainer import shards
 from trainer.config import ConfigError
+from trainer.worker import shards
 
 
 def odd_images(root: Path) -> Path:

@@ -120,7 +120,7 @@ def test_the_ddp_script_asks_for_requeue_a_time_limit_and_one_task_per_node(tmp_
 
 
 # TorchX's own sbatch script (torchx 0.7): no USR1, a requeue on any failure while --max_retries
-# allows, srun without -c. The supervisor looks after the job there (trainer/slurm.py).
+# allows, srun without -c. The supervisor looks after the job there (trainer/launch/slurm.py).
 
 def torchx_slurm_cmd(tmp: Path, *overrides: str, max_retries: int = 0, margin_s: int = 95, minutes: int | None = 2,
                      nproc: int = 2, nnodes: int = 1) -> list[str]:
@@ -132,7 +132,7 @@ def torchx_slurm_cmd(tmp: Path, *overrides: str, max_retries: int = 0, margin_s:
     (tmp / "job").mkdir()
     time_limit = f"time={minutes}," if minutes else ""
     return [str(Path(sys.executable).parent / "torchx"), "run", "--workspace", "", "-s", "slurm", "-cfg", f"{time_limit}job_dir={tmp / 'job'}",
-            f"{ROOT / 'trainer' / 'components.py'}:train_ddp", "--j", f"{nnodes}x{nproc}", "--gpu", "0", "--cpu", "2", "--memMB", "1000",
+            f"{ROOT / 'trainer' / 'launch' / 'components.py'}:train_ddp", "--j", f"{nnodes}x{nproc}", "--gpu", "0", "--cpu", "2", "--memMB", "1000",
             "--max_retries", str(max_retries), "--config", str(ROOT / "configs" / "smoke.yaml"), "--checkpoint_mount", "",
             "--checkpoint_dir", str(tmp / "ck" / "run"), "--data_dir", str(tmp / "data"),
             "--env", f"TRAINER_PYTHON={sys.executable},TRAINER_SLURM_MARGIN_S={margin_s},OMP_NUM_THREADS=1",

@@ -1,4 +1,4 @@
-"""The exit status contract at the launcher (trainer/supervisor.py) and one writer per run folder
+"""The exit status contract at the launcher (trainer/launch/supervisor.py) and one writer per run folder
 (checkpoint.FolderLock), with real torchrun, real signals and real processes."""
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ import psutil
 import pytest
 from conftest import ROOT, TINY, env, newest, run, trainer_cmd
 
-from trainer import checkpoint, supervisor
-from trainer.checkpoint import CheckpointError, FolderLock
 from trainer.contract import EXIT_PREEMPTED, EXIT_RUNNING, EXIT_USAGE
-from trainer.procs import has_children
-from trainer.supervisor import recorded, verdict
+from trainer.launch import supervisor
+from trainer.launch.procs import has_children
+from trainer.launch.supervisor import recorded, verdict
+from trainer.worker import checkpoint
+from trainer.worker.checkpoint import CheckpointError, FolderLock
 
 LONG = [*TINY, "train.epochs=400", "train.log_every=8", "checkpoint.every_steps=0"]
 
@@ -134,7 +135,7 @@ def catch_sigterm(ckpt: Path) -> list[psutil.Process]:
             caught = int(next(x for x in Path(f"/proc/{p.pid}/status").read_text().splitlines() if x.startswith("SigCgt:")).split()[1], 16)
         except (psutil.Error, OSError, StopIteration):
             continue
-        if " train " in f"{cmd} " and "trainer.torchrun" not in cmd and " launch " not in cmd and caught >> (signal.SIGTERM - 1) & 1:
+        if " train " in f"{cmd} " and "trainer.launch.torchrun" not in cmd and " launch " not in cmd and caught >> (signal.SIGTERM - 1) & 1:
             found.append(p)
     return found
 
@@ -378,7 +379,7 @@ def test_the_supervisor_gives_each_torchrun_attempt_a_fresh_rendezvous_store(tmp
 
 
 def test_a_missing_home_is_replaced_by_a_private_writable_one(tmp_path, monkeypatch):
-    from trainer.supervisor import writable_home
+    from trainer.launch.supervisor import writable_home
 
     monkeypatch.setenv("HOME", str(tmp_path / "not-there"))
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
@@ -408,7 +409,7 @@ def agent():
 
 
 def test_an_agent_left_without_a_live_worker_past_its_rendezvous_bound_is_named(agent, monkeypatch):
-    from trainer import supervisor
+    from trainer.launch import supervisor
 
     monkeypatch.setattr(supervisor, "LOST_RENDEZVOUS_MARGIN_S", 1.5)
     p = agent
@@ -427,7 +428,7 @@ def test_an_agent_left_without_a_live_worker_past_its_rendezvous_bound_is_named(
 
 
 def test_an_agent_with_a_live_worker_is_left_alone(monkeypatch):
-    from trainer import supervisor
+    from trainer.launch import supervisor
 
     monkeypatch.setattr(supervisor, "LOST_RENDEZVOUS_MARGIN_S", 0.0)
     p = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; subprocess.run([sys.executable, '-c', 'import time; time.sleep(60)'])"])
@@ -464,7 +465,7 @@ def test_store_reads_wait_as_long_as_the_rendezvous_and_elastic_groups_re_form_s
     """A store read that times out on a cut link leaves the agent's connection out of step
     (tests/test_hosts.py shows the job ending): reads wait as long as join_timeout, unless given.
     An elastic range re-forms 5 s after its MIN nodes are back, unless given."""
-    from trainer.rendezvous import with_rdzv_defaults
+    from trainer.launch.rendezvous import with_rdzv_defaults
 
     assert with_rdzv_defaults(argv) == expected
 
@@ -474,7 +475,7 @@ def test_workers_keep_node_caches_on_the_volume(tmp_path, monkeypatch):
     the CUDA driver's JIT cache always, and the workers' Python bytecode where the installation has
     none (pip --no-compile, a site-packages the job cannot write, PYTHONDONTWRITEBYTECODE=1: every
     process compiles its sources at every start otherwise)."""
-    from trainer.supervisor import node_cache_env
+    from trainer.launch.supervisor import node_cache_env
 
     (tmp_path / "mod_without_bytecode.py").write_text("x = 1\n")  # never imported: no .pyc anywhere
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -529,7 +530,7 @@ def test_the_verdict_reads_the_newest_group_and_a_killed_group_is_no_preemption(
 def test_the_time_left_of_a_heterogeneous_job_is_its_least_component():
     """squeue -o %L prints one line per component of a heterogeneous job (TorchX's multi-node
     Slurm jobs): the least of them, not None (which meant: never stop to save)."""
-    from trainer.slurm import parse_time_left
+    from trainer.launch.slurm import parse_time_left
 
     assert parse_time_left("1-02:03:04\n") == 93784
     assert parse_time_left("4:59\n5:00\n") == 299

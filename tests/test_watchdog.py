@@ -1,4 +1,4 @@
-"""The hang watchdog (trainer/watchdog.py) and the supervisor's part in it (trainer/supervisor.py):
+"""The hang watchdog (trainer/worker/watchdog.py) and the supervisor's part in it (trainer/launch/supervisor.py):
 a run that stops making progress ends as a crash with its stacks saved, and is restarted; with
 real processes, real signals and real torchrun."""
 
@@ -17,10 +17,10 @@ import psutil
 import pytest
 from conftest import ROOT, TINY, env, trainer_cmd, worker
 
-from trainer import watchdog
 from trainer.contract import EXIT_HUNG
-from trainer.supervisor import HEARTBEAT_MARGIN_S, kill_hung_workers
-from trainer.watchdog import Watchdog
+from trainer.launch.supervisor import HEARTBEAT_MARGIN_S, kill_hung_workers
+from trainer.worker import watchdog
+from trainer.worker.watchdog import Watchdog
 
 
 def test_the_bound_grows_with_the_slowest_pause_and_nothing_fires_before_the_first_beat(tmp_path):
@@ -95,7 +95,7 @@ def test_slow_steps_raise_the_bound_but_never_past_the_collective_timeout(tmp_pa
 STALL_THEN_BLOCK = """
 import sys, time
 from pathlib import Path
-from trainer.watchdog import Watchdog
+from trainer.worker.watchdog import Watchdog
 dog = Watchdog(3, Path(sys.argv[1]), 0, timeout_s=60)
 for step in range(1, 21):
     time.sleep(0.02)
@@ -143,7 +143,7 @@ def test_the_heartbeat_file_says_who_and_goes_with_close(tmp_path, monkeypatch):
 BLOCKED = """
 import sys, time
 from pathlib import Path
-from trainer.watchdog import Watchdog
+from trainer.worker.watchdog import Watchdog
 def read_that_blocks():
     time.sleep(600)
 dog = Watchdog(2, Path(sys.argv[1]), 5)

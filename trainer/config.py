@@ -353,7 +353,7 @@ class Config:
 
 
 CIFAR_MODELS = ("resnet18", "seednet", "airnet", "tinynet")
-"""This project's own networks (trainer/models.py); every other model.name is torchvision's."""
+"""This project's own networks (trainer/worker/models.py); every other model.name is torchvision's."""
 
 
 TORCHVISION_MODELS = (

@@ -7,7 +7,7 @@
     anything else: a crash (restart it; the run resumes from its newest complete checkpoint)
 
 A worker alone keeps it (``python -m trainer train`` exits with these codes). Under torchrun the
-supervisor keeps it (trainer/supervisor.py): each worker records its code in the supervisor's
+supervisor keeps it (trainer/launch/supervisor.py): each worker records its code in the supervisor's
 exit folder (``$TRAINER_EXIT_DIR``) as it leaves, and the supervisor turns torchrun's and the
 workers' codes into the launcher's. Workers and launcher both import this module; it imports
 no other module of the trainer but trainer/files.py, and not torch.
@@ -32,7 +32,7 @@ EXIT_PREEMPTED = 75
 same command again to resume."""
 EXIT_CRASH = 1
 EXIT_HUNG = 124
-"""A worker's hang watchdog gave up on it (no progress within dist.hang_timeout_s; trainer/watchdog.py):
+"""A worker's hang watchdog gave up on it (no progress within dist.hang_timeout_s; trainer/worker/watchdog.py):
 a crash, restarted like one; 124 as timeout(1) exits."""
 
 EXIT_DIR_ENV = "TRAINER_EXIT_DIR"
@@ -90,7 +90,7 @@ def record_start() -> None:
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
-"""What stops a worker with a checkpoint (trainer/stop.py); during its start-up, at once."""
+"""What stops a worker with a checkpoint (trainer/worker/stop.py); during its start-up, at once."""
 
 
 class StoppedStarting(BaseException):

@@ -37,7 +37,7 @@ from trainer.contract import (
     stopped_while_starting,
     supervised,
 )
-from trainer.supervisor import gpu_count, writable_home
+from trainer.launch.supervisor import gpu_count, writable_home
 
 _LOCAL_RANK = re.compile(r"^--local[-_]rank(=(\d+))?$")
 
@@ -111,10 +111,10 @@ def train(config_file, overrides):
 def _train(cfg, started: float) -> int:
     from pathlib import Path
 
-    from trainer import crash
-    from trainer.loop import Trainer
-    from trainer.run import build
-    from trainer.runtime import gather_hosts, setup, teardown
+    from trainer.worker import crash
+    from trainer.worker.loop import Trainer
+    from trainer.worker.run import build
+    from trainer.worker.runtime import gather_hosts, setup, teardown
 
     rt = setup(cfg)
     record_start()  # a group killed before its workers record an exit is not taken for the one before it
@@ -149,7 +149,7 @@ def _train(cfg, started: float) -> int:
 def eval_cmd(checkpoint_path, config_file, overrides):
     """Test accuracy of a saved checkpoint (a step-N folder, or a run folder: its newest complete
     one). Overrides such as data.dir=... apply on top of the config stored in the checkpoint."""
-    from trainer.evaluate import evaluate_checkpoint
+    from trainer.worker.evaluate import evaluate_checkpoint
 
     used, loss, acc, n = evaluate_checkpoint(checkpoint_path, config_file, overrides)
     if os.environ.get("RANK", "0") == "0":
@@ -172,7 +172,7 @@ def check(nnodes, nproc_per_node, config_file, overrides):
     """Validate config and inputs without training (launchers run this before torchrun)."""
     cfg = load_config(config_file, overrides)  # usage errors before torch is imported
     check_world_range(cfg, nnodes, nproc_per_node)
-    from trainer.check import preflight
+    from trainer.launch.check import preflight
 
     preflight(cfg)
     click.echo("ok")
@@ -189,12 +189,12 @@ def data(shards_out, max_side, config_file, overrides):
     cfg = load_config(config_file, overrides)  # usage errors before torch is imported
     from pathlib import Path
 
-    from trainer import data as datasets
+    from trainer.worker import data as datasets
 
     if shards_out:
         if cfg.data.name != "imagefolder":
             raise ConfigError(f"--shards reads an image folder; add data.name=imagefolder data.dir=IMAGES (data.name is {cfg.data.name})")
-        from trainer import shards
+        from trainer.worker import shards
 
         index = shards.write(Path(cfg.data.dir), Path(shards_out), max_side)
         click.echo(f"{index['train']['images']} train and {index['test']['images']} test images, {len(index['train']['classes'])} classes "
@@ -244,7 +244,7 @@ def launch(nproc_per_node, max_restarts, config_file, overrides):
         raise ConfigError(f"--nproc-per-node={nproc_per_node} must be a positive number or auto")
     check_devices(cfg, gpus > 0)
     check_batch(cfg, int(nproc_per_node))
-    from trainer import data as datasets
+    from trainer.worker import data as datasets
 
     plan = datasets.plan(cfg, None, int(nproc_per_node))  # data.image_size resolved, as the workers will
     if not plan.stream and not datasets.ready(cfg):
@@ -277,7 +277,7 @@ def pick_config(gpus: int) -> str:
 
 
 def _supervised(torchrun_args: list[str]) -> int:
-    from trainer.supervisor import supervise
+    from trainer.launch.supervisor import supervise
 
     sys.stdout.flush()
     return supervise(torchrun_args)
@@ -300,7 +300,7 @@ def bench(ctx):
     repository's bench/, outside the installed package: run this from a clone."""
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     if not (root / "bench" / "run.py").is_file():
         raise ConfigError(f"trainer bench runs the benchmarks of a clone of the repository (bench/), which this install at {root} "
                           "does not have; clone it and run `pip install -e .` there, then trainer bench again")

@@ -8,13 +8,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from trainer import checkpoint, data, models
 from trainer.config import Config
 from trainer.config_loader import from_dict, load_config
-from trainer.data import Split
-from trainer.loader import Augment, eval_batches
-from trainer.runtime import Runtime, all_reduce_sum, setup, teardown
-from trainer.stream import Streamed
+from trainer.worker import checkpoint, data, models
+from trainer.worker.data import Split
+from trainer.worker.loader import Augment, eval_batches
+from trainer.worker.runtime import Runtime, all_reduce_sum, setup, teardown
+from trainer.worker.stream import Streamed
 
 
 @torch.no_grad()
@@ -42,7 +42,7 @@ def evaluate(model: torch.nn.Module, split: Split, cfg: Config, rt: Runtime, aug
     if isinstance(split, Split):
         batches = eval_batches(split, rt, cfg.data.eval_batch_size)
     else:  # streamed from the test shards
-        from trainer.stream import eval_batches as streamed
+        from trainer.worker.stream import eval_batches as streamed
 
         batches = streamed(split, cfg, rt, cfg.data.eval_batch_size)
     for x, y in batches:
@@ -60,7 +60,7 @@ def evaluate(model: torch.nn.Module, split: Split, cfg: Config, rt: Runtime, aug
 def evaluate_checkpoint(path: str, config_file: str | None, overrides) -> tuple[str, float, float, int]:
     """(checkpoint, test loss, test accuracy, test images) of the checkpoint at ``path`` (a step-N
     folder, its state.pt, or a run folder: then its newest complete checkpoint)."""
-    from trainer.run import Fast
+    from trainer.worker.run import Fast
 
     folder = Path(path)
     if folder.is_dir() and not (folder / checkpoint.STATE).exists() and (newest := checkpoint.newest_complete(folder)) is not None:

@@ -152,7 +152,7 @@ def gather_hosts(rt: Runtime) -> list[tuple[str, list[str]]]:
     forms): a worker that loses a peer later names it from the address in the error."""
     import socket
 
-    from trainer.crash import host_addresses
+    from trainer.worker.crash import host_addresses
 
     mine = (socket.gethostname(), host_addresses())
     if not rt.collectives:

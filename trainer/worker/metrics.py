@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from trainer.contract import COMMAND_START_ENV
 from trainer.files import replacing
-from trainer.runtime import Runtime
+from trainer.worker.runtime import Runtime
 
 
 def since_command() -> float | None:

@@ -26,8 +26,8 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from trainer.config import Config
-from trainer.data import Split, norm_stats, small
-from trainer.runtime import Runtime
+from trainer.worker.data import Split, norm_stats, small
+from trainer.worker.runtime import Runtime
 
 
 def quiet_worker(_: int) -> None:

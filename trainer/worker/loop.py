@@ -1,6 +1,6 @@
 """The training loop: ``Trainer.fit()`` over ``train_epoch()``, ``train_step()``, ``evaluate()`` and
 ``save()``. Everything around it (config, process group, data, checkpoints) is built by
-trainer/run.py and handed in as a :class:`Run`."""
+trainer/worker/run.py and handed in as a :class:`Run`."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ import time
 import torch
 from torch.profiler import record_function
 
-from trainer import compile_cache, parallel
 from trainer.config_loader import to_yaml
 from trainer.contract import EXIT_PREEMPTED, stopped_by_torchrun
-from trainer.evaluate import evaluate
-from trainer.faults import crash_point, trace_samples
-from trainer.metrics import StepProfiler, StepTimer, Stragglers, plot_curves, since_command
-from trainer.run import Run
-from trainer.runtime import all_reduce_sum, barrier
+from trainer.worker import compile_cache, parallel
+from trainer.worker.evaluate import evaluate
+from trainer.worker.faults import crash_point, trace_samples
+from trainer.worker.metrics import StepProfiler, StepTimer, Stragglers, plot_curves, since_command
+from trainer.worker.run import Run
+from trainer.worker.runtime import all_reduce_sum, barrier
 
 
 class LogWindow:

@@ -1,5 +1,5 @@
-"""torchrun itself, as the supervisor runs it (``python -m trainer.torchrun ARGS``, never by hand):
-torchrun's own main with a thread that says what its rendezvous waits for (trainer/rendezvous.py),
+"""torchrun itself, as the supervisor runs it (``python -m trainer.launch.torchrun ARGS``, never by hand):
+torchrun's own main with a thread that says what its rendezvous waits for (trainer/launch/rendezvous.py),
 minus the traceback it prints when a signal stops it or its rendezvous cannot form. The workers
 report what they did; the supervisor turns it into the exit code.
 
@@ -13,7 +13,7 @@ import signal
 import sys
 
 from trainer.contract import EXIT_CRASH, say
-from trainer.rendezvous import Reporter, rendezvous_failure
+from trainer.launch.rendezvous import Reporter, rendezvous_failure
 
 
 def main(argv: list[str]) -> int:

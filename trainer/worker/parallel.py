@@ -2,7 +2,7 @@
 
 Order matters and is the same for every strategy: build the model, load the checkpoint's weights
 into the plain module, *then* wrap it (DataParallel, DistributedDataParallel or fully_shard) and
-compile, then build the optimizer and load its state (trainer/checkpoint.py owns what is saved and
+compile, then build the optimizer and load its state (trainer/worker/checkpoint.py owns what is saved and
 how it comes back).
 """
 
@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from trainer.config import Config
-from trainer.models import unwrap
-from trainer.runtime import Runtime
+from trainer.worker.models import unwrap
+from trainer.worker.runtime import Runtime
 
 
 class WithLoss(nn.Module):

@@ -13,7 +13,7 @@ under :func:`supervise` (``trainer torchrun ...``, which ``trainer launch`` uses
   workers of the last attempt exited 75 gives 75; torchrun's 0 gives 0; any other end is a crash
   (torchrun's own code, never 0, 2 or 75).
 
-In a Slurm job whose batch script does not look after it (TorchX's), trainer/slurm.py stops the
+In a Slurm job whose batch script does not look after it (TorchX's), trainer/launch/slurm.py stops the
 workers before the time limit and requeues the job after their save, never after bad input.
 
 Where the launcher retries only codes 128-255 (Kubeflow's ``restartPolicy: ExitCode``: 1-127 fail
@@ -24,7 +24,7 @@ so the policy brings its own bound: a node whose run crashes CRASHES_WITHOUT_PRO
 row with no newer checkpoint exits 1, which fails the job, instead of holding its GPUs for ever.
 
 A worker that makes no progress and cannot act on it itself (stopped, frozen) is killed here, so
-torchrun restarts the group (see trainer/watchdog.py: its heartbeat files in ``$TRAINER_EXIT_DIR``).
+torchrun restarts the group (see trainer/worker/watchdog.py: its heartbeat files in ``$TRAINER_EXIT_DIR``).
 An agent left without workers longer than its rendezvous can take (it waits on a first node it
 cannot reach, for ever) is ended with a crash code (:class:`LostRendezvous`).
 
@@ -48,11 +48,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from trainer import contract, slurm
-from trainer.console import Relay
+from trainer import contract
 from trainer.contract import EXIT_CRASH, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE, say
-from trainer.procs import GONE, has_children, state
-from trainer.rendezvous import endpoint, option, rdzv_conf, training_config, with_rdzv_defaults
+from trainer.launch import slurm
+from trainer.launch.console import Relay
+from trainer.launch.procs import GONE, has_children, state
+from trainer.launch.rendezvous import endpoint, option, rdzv_conf, training_config, with_rdzv_defaults
 
 EXIT_POLICY_ENV = "TRAINER_EXIT_POLICY"
 """``exitcode``: the codes for a launcher that retries 128-255 only (see the module docstring)."""
@@ -150,7 +151,7 @@ def stacks_from_outside(pid: int, timeout_s: float = 20.0) -> str:
 
 
 def kill_hung_workers(folder: Path, margin_s: float = HEARTBEAT_MARGIN_S) -> list[str]:
-    """Kill every worker whose heartbeat file (trainer/watchdog.py) is older than its bound plus
+    """Kill every worker whose heartbeat file (trainer/worker/watchdog.py) is older than its bound plus
     ``margin_s``: it cannot act on its own watchdog (stopped, frozen). Returns what was said."""
     said = []
     for hb in folder.glob("hb-*"):
@@ -164,7 +165,7 @@ def kill_hung_workers(folder: Path, margin_s: float = HEARTBEAT_MARGIN_S) -> lis
         now = state(info["pid"])
         if now in (None, *GONE):
             continue  # gone already, or exited and not yet reaped by torchrun (its attempt is ending)
-        from trainer.watchdog import last_step
+        from trainer.worker.watchdog import last_step
 
         step = last_step(folder, info["rank"])  # exact: the heartbeat file's is up to a second old
         step = info["step"] if step is None else step
@@ -244,7 +245,7 @@ def exit_policy_problem() -> str | None:
 def crash_budget(root: Path, host: str, limit: int) -> tuple[int, str | None]:
     """Note one more crash of ``host``; (crashes in a row without a newer checkpoint, the newest
     checkpoint's name). A newer checkpoint than at the last crash starts the count again."""
-    from trainer.checkpoint import newest_complete  # a crash is ending: the import's second is no cost
+    from trainer.worker.checkpoint import newest_complete  # a crash is ending: the import's second is no cost
 
     newest = newest_complete(root) if root.is_dir() else None
     step = newest.name if newest else None
@@ -416,7 +417,7 @@ def supervise(torchrun_args: list[str], poll_s: float = 0.5) -> int:
     if "PYTHONPYCACHEPREFIX" in env:
         env.pop("PYTHONDONTWRITEBYTECODE", None)  # written under the prefix, on the volume, only
     torchrun_args = with_rdzv_defaults(torchrun_args)
-    cmd = [sys.executable, "-m", "trainer.torchrun", *torchrun_args]  # torchrun itself, with our rendezvous reporter
+    cmd = [sys.executable, "-m", "trainer.launch.torchrun", *torchrun_args]  # torchrun itself, with our rendezvous reporter
     got: list[int] = []
 
     def on_signal(signum, frame):

@@ -1,5 +1,5 @@
 """A process's children and state, through psutil. Used by the supervisor (hung workers, an agent
-left without workers) and by torchrun's rendezvous thread (trainer/rendezvous.py)."""
+left without workers) and by torchrun's rendezvous thread (trainer/launch/rendezvous.py)."""
 
 from __future__ import annotations
 

@@ -13,15 +13,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer import compile_cache, data, models, parallel
-from trainer.checkpoint import Checkpointer, ModelPart, OptimizerPart, TrainState
 from trainer.config import Config, ConfigError
-from trainer.loader import Augment, make_train_loader
-from trainer.metrics import Progress, RunLog, Startup
-from trainer.optim import Lookahead, MasterWeights, build_optimizer, build_schedule
-from trainer.runtime import Runtime, agree, broadcast
-from trainer.stop import StopFlag
-from trainer.watchdog import Watchdog
+from trainer.worker import compile_cache, data, models, parallel
+from trainer.worker.checkpoint import Checkpointer, ModelPart, OptimizerPart, TrainState
+from trainer.worker.loader import Augment, make_train_loader
+from trainer.worker.metrics import Progress, RunLog, Startup
+from trainer.worker.optim import Lookahead, MasterWeights, build_optimizer, build_schedule
+from trainer.worker.runtime import Runtime, agree, broadcast
+from trainer.worker.stop import StopFlag
+from trainer.worker.watchdog import Watchdog
 
 
 @dataclass(frozen=True)
@@ -181,7 +181,7 @@ def pick_checkpoint(ckpt: Checkpointer, rt: Runtime) -> Path | None:
 
 def make_loader(cfg: Config, rt: Runtime, split: Any, fast: Fast, augment: Augment):
     """The streamed loader for a set left in its shards, else an in-memory one."""
-    from trainer.stream import Streamed, StreamLoader, gpu_decode
+    from trainer.worker.stream import Streamed, StreamLoader, gpu_decode
 
     if isinstance(split, Streamed):
         return StreamLoader(split, cfg, rt, rt.per_rank_batch(cfg.train.batch_size), augment, gpu_decode(cfg, rt))
@@ -193,7 +193,7 @@ def load_data(cfg: Config, rt: Runtime, fast: Fast) -> tuple[Any, Any, int, data
     data.device_resident; streamed: left in the shards), the steps of one epoch and the plan the
     start line prints. data.image_size is resolved here (written into ``cfg``) and checked against
     the model."""
-    from trainer.stream import Streamed
+    from trainer.worker.stream import Streamed
 
     error, splits, plan = None, None, None
     try:

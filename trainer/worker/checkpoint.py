@@ -39,13 +39,13 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from trainer import models
 from trainer.config import Config, ConfigError
 from trainer.config_loader import to_dict
 from trainer.contract import one_line, say
-from trainer.faults import crash_point
 from trainer.files import flock, sha256, sha256_parts
-from trainer.models import unwrap
+from trainer.worker import models
+from trainer.worker.faults import crash_point
+from trainer.worker.models import unwrap
 
 STATE, META = "state.pt", "meta.json"
 STEP_DIR = re.compile(r"^step-(\d+)$")

@@ -38,7 +38,7 @@ from trainer import contract
 from trainer.config import node_range
 from trainer.config_loader import load_config
 from trainer.contract import EXIT_CRASH, EXIT_DIR_ENV
-from trainer.procs import has_children, kill_children
+from trainer.launch.procs import has_children, kill_children
 
 POLL_S = 2.0
 FIRST_REPORT_S = 10.0
@@ -152,7 +152,7 @@ def where_lost(argv: list[str]) -> str:
             steps += [int(m) for m in re.findall(r" (?:at|after) step (\d+)", p.read_text())]
         except OSError:
             continue
-    from trainer.checkpoint import newest_complete  # torchrun's process: torch is imported already
+    from trainer.worker.checkpoint import newest_complete  # torchrun's process: torch is imported already
 
     cfg = training_config(argv)
     found = newest_complete(Path(cfg.checkpoint.dir)) if cfg else None
@@ -162,7 +162,7 @@ def where_lost(argv: list[str]) -> str:
 
 def rendezvous_failure(argv: list[str], error: BaseException, left: list[str] | None = None) -> str:
     """One line for a rendezvous that could not form: what happened, where, and the fix. ``left``:
-    nodes of the last group that did not come back (trainer/rendezvous.py saw them go)."""
+    nodes of the last group that did not come back (trainer/launch/rendezvous.py saw them go)."""
     from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousTimeoutError
 
     at = endpoint(argv)

@@ -65,7 +65,7 @@ def what_next(root: Path | None) -> str:
 def _newest_step(root: Path | None) -> str:
     if root is None:
         return ""
-    from trainer.checkpoint import newest_complete
+    from trainer.worker.checkpoint import newest_complete
 
     try:
         found = newest_complete(root)

@@ -1,6 +1,6 @@
 """A worker's signals: SIGTERM, SIGUSR1, SIGINT and SIGHUP stop it after a step that every rank
 agrees on, with a checkpoint of that step (exit 75: trainer/contract.py); a second SIGINT stops at
-once. (The launcher's signals: trainer/supervisor.py; torchrun's: trainer/torchrun.py; a Slurm
+once. (The launcher's signals: trainer/launch/supervisor.py; torchrun's: trainer/launch/torchrun.py; a Slurm
 batch script's: slurm/steps.sh.)
 
 Preemption reaches a worker as SIGTERM (Kubernetes eviction, ``docker stop``, ``scancel``; the
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.contract import STOP_SIGNALS, supervised
-from trainer.runtime import Runtime
+from trainer.worker.runtime import Runtime
 
 
 class StopFlag:

@@ -4,17 +4,17 @@ macros), as ``torchx.components.dist.ddp`` builds its own, with our command in i
 
 From the repository root (scheduler defaults live in .torchxconfig)::
 
-    torchx run --workspace "" -s kubernetes trainer/components.py:train_ddp --image ghcr.io/you/cluster-trainer:0.1.0 \\
+    torchx run --workspace "" -s kubernetes trainer/launch/components.py:train_ddp --image ghcr.io/you/cluster-trainer:0.1.0 \\
         --j 2x8 --checkpoint_mount cifar-checkpoints --data_mount cifar-data -- train.epochs=30
-    torchx run --workspace "" -s kubernetes trainer/components.py:train_single --image ghcr.io/you/cluster-trainer:0.1.0
-    SRUN_CPUS_PER_TASK=8 torchx run --workspace "" -s slurm -cfg time=04:00:00 trainer/components.py:train_ddp --j 2x8 \\
+    torchx run --workspace "" -s kubernetes trainer/launch/components.py:train_single --image ghcr.io/you/cluster-trainer:0.1.0
+    SRUN_CPUS_PER_TASK=8 torchx run --workspace "" -s slurm -cfg time=04:00:00 trainer/launch/components.py:train_ddp --j 2x8 \\
         --cpu 8 --max_retries 0 --checkpoint_mount "" --checkpoint_dir /shared/ckpt/cifar --data_dir /shared/data
-    torchx run --workspace "" -s local_cwd trainer/components.py:train_ddp --j 1x2 --gpu 0 --config configs/smoke.yaml \\
+    torchx run --workspace "" -s local_cwd trainer/launch/components.py:train_ddp --j 1x2 --gpu 0 --config configs/smoke.yaml \\
         --checkpoint_mount "" --checkpoint_dir ./checkpoints/torchx --data_dir ./data
 
 Every component runs the same command as the other launchers: ``trainer torchrun ... -m trainer train``
 (torchrun under the trainer's supervisor, which keeps the exit status contract and, on Slurm, stops
-before the time limit and requeues the job after the save: trainer/slurm.py).
+before the time limit and requeues the job after the save: trainer/launch/slurm.py).
 """
 
 # torchx 0.7's component linter reads annotations as written: keep typing.Optional/Dict here.
@@ -162,7 +162,7 @@ def train_ddp(
     expected = [f"{checkpoint_root}={checkpoint_mount}"] * bool(checkpoint_mount) + [f"{data_dir}={data_mount}"] * bool(data_mount)
     train_args = ["--config", config, f"checkpoint.dir={checkpoint_dir}", f"data.dir={data_dir}", *script_args]
     # on Slurm the supervisor does what TorchX's batch script does not: stop before the time limit,
-    # requeue after the save, never after bad input (trainer/slurm.py); elsewhere the variable is inert
+    # requeue after the save, never after bad input (trainer/launch/slurm.py); elsewhere the variable is inert
     role_env = {"PYTHONUNBUFFERED": "1", "TRAINER_NO_GPU_FIX": "pass --gpu 0 to the component to train on the CPU", "TRAINER_SLURM_SUPERVISE": "1",
                 MOUNTS_ENV: ";".join(expected), **(env or {})}
     role = _role(train_args, image, j, gpu, cpu, memMB, h, mounts, max_restarts, max_retries, role_env, rdzv_endpoint)

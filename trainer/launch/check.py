@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from trainer import checkpoint, data, models
 from trainer.config import Config, ConfigError, check_devices
+from trainer.worker import checkpoint, data, models
 
 
 def preflight(cfg: Config) -> None:
@@ -32,7 +32,7 @@ def preflight(cfg: Config) -> None:
             checkpoint.check_global_batch(meta.get("batch_size"), cfg.train.batch_size, folder)
     d = cfg.data
     if d.name == "shards":
-        from trainer import shards
+        from trainer.worker import shards
 
         shards.check(Path(d.dir))
     if d.name != "imagefolder" or Path(d.dir).is_dir():  # the size the model gets (a missing folder is said below)

@@ -21,7 +21,7 @@ before the collective timeout. It is armed by the first beat
    timeout(1) does); torchrun restarts the group, the scheduler the job;
 2. faulthandler's own C thread, re-armed by that thread every second: if a C call holds the GIL so
    that the Python thread cannot run, it prints the stacks to stderr and exits 1 a little later;
-3. the supervisor (``trainer torchrun``, trainer/supervisor.py), for a process that cannot act at all
+3. the supervisor (``trainer torchrun``, trainer/launch/supervisor.py), for a process that cannot act at all
    (SIGSTOP, a debugger, a frozen container): the thread keeps ``$TRAINER_EXIT_DIR/hb-<rank>``
    fresh while the run progresses; a file older than the bound plus HEARTBEAT_MARGIN_S gets its
    worker killed, and a note of its process state in the same hang file.
