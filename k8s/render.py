@@ -187,6 +187,10 @@ def render(docs: list[dict], image: str | None, nodes: int | None, gpus: int | N
             raise RenderError(f"{runtime['kind']} {runtime['metadata']['name']} is shared by every TrainJob: CONFIG and ARGS are a "
                               "TrainJob's (make k8s-apply K8S=trainjob CONFIG=... ARGS=...)")
         check_run(config, args or [])
+    kinds = {d.get("kind") for d in docs}
+    if not gang and "TrainJob" in kinds and not kinds & set(RUNTIMES):
+        raise RenderError("a TrainJob's gang scheduling is its runtime's (podGroupPolicy), chosen when the runtime is installed: "
+                          "make k8s-apply K8S=trainjob-runtime IMAGE=... GANG=off, then apply the TrainJob without GANG")
     for doc in docs:
         if namespace and doc.get("kind") not in CLUSTER_SCOPED:
             doc["metadata"]["namespace"] = namespace

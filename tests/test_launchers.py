@@ -906,6 +906,7 @@ def test_torchx_takes_an_etcd_rendezvous_endpoint():
     ("trainjob-single", ["--gpus", "8"], "use K8S=trainjob for more"),
     ("trainjob-runtime", ["--nodes", "4"], "NODES and GPUS are a TrainJob's"),
     ("trainjob-runtime", ["--args", "train.epochs=5"], "CONFIG and ARGS are a TrainJob's"),
+    ("trainjob", ["--no-gang"], "gang scheduling is its runtime's"),
 ])
 def test_render_refuses_what_no_cluster_can_run_in_one_line(folder, args, words):
     stdin = yaml.safe_dump_all(manifests(folder))
