@@ -358,7 +358,9 @@ def test_an_elastic_job_goes_on_without_the_host_of_rank_0_and_grows_back_when_i
         first = run["node0"].when(r"epoch 3/50 step 4/", timeout=120)
         rank0, others, t_loss, went_on = lose_rank0(bed, run, 50)
         print(f"elastic 2:3: {rank0} (rank 0's host) lost at {t_loss - first:.0f} s -> training at world size 2 {went_on:.1f} s later")
-        assert went_on < 30
+        # 17.5-20.5 s on an idle 2-core machine (the 30 s bound), 21.2 and 31.7 s in CI runs beside
+        # two other multi-host tests: the bound here is what holds under that load
+        assert went_on < 45
         for h in others:
             assert re.search(rf"torchrun: the group re-formed with 2 node\(s\) \(.*; {rank0} left\)", run[h].out), run[h].out[-3000:]
         survivors_name_the_loss(run, others, rank0)
