@@ -342,8 +342,8 @@ def starts(ckpt: Path) -> list[dict]:
 
 def test_an_elastic_job_goes_on_without_the_host_of_rank_0_and_grows_back_when_it_returns(tmp_path):
     """The host of rank 0 is lost and never comes back in time: the two others re-form at world
-    size 2 from the newest checkpoint (its lock taken over) within 30 s on an idle bed (45 s under CI's load), with the launchers'
-    defaults; when the host returns, the group grows back to 3 at the step it was on (a save at the
+    size 2 from the newest checkpoint (its lock taken over) within 30 s on an idle bed (45 s under
+    CI's load), with the launchers' defaults; when the host returns, the group grows back to 3 at the step it was on (a save at the
     re-form: no step lost). Then a node is lost silently (its cable cut): no error reaches the
     others, whose workers wait in a collective; the rendezvous' keep-alive shows it gone within 60 s
     and the group re-forms without it. When its link is back, that node says it was the one cut
