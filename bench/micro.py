@@ -68,7 +68,7 @@ def allreduce() -> None:
 def stall(overrides: list[str]) -> None:
     """Seconds that training stands still for an async save and for a sync save of the same state."""
     from trainer.config_loader import load_config
-    from trainer.worker.checkpoint import META, newest_complete
+    from trainer.worker.checkpoint.folder import files_of, newest_complete, read_meta
     from trainer.worker.loop import Trainer
     from trainer.worker.run import build
     from trainer.worker.runtime import setup
@@ -102,7 +102,7 @@ def stall(overrides: list[str]) -> None:
     trainer.save(sync=True)
     sync_stall = time.perf_counter() - t0
     # what a save writes
-    state_bytes = json.loads((newest_complete(Path(cfg.checkpoint.dir)) / META).read_text())["bytes"]
+    state_bytes = sum(f["bytes"] for f in files_of(read_meta(newest_complete(Path(cfg.checkpoint.dir)))).values())
     emit({"run": "checkpoint-stall", "model": cfg.model.name, "state_GB": state_bytes / 1e9,
           "async_stall_s": async_stall, "sync_stall_s": sync_stall, "step_ms": base * 1e3,
           "step_ms_during_write": during * 1e3})

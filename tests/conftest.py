@@ -173,8 +173,52 @@ def newest(ckpt: Path) -> Path:
     return steps[-1][1]
 
 
+def saved(folder: Path) -> dict:
+    """A checkpoint's whole state, by part, as the trainer reads it."""
+    from trainer.worker.checkpoint import store
+
+    return store.read(folder)
+
+
 def weights(folder: Path) -> dict[str, torch.Tensor]:
-    return torch.load(folder / "state.pt", weights_only=True)["model"]
+    return saved(folder)["model"]
+
+
+def write_format1(state: dict, root: Path, step: int) -> Path:
+    """``state`` as versions before DCP wrote a checkpoint: one state.pt (the parts and the
+    counters at the top level, the model's name, classes and config), and meta.json with its size,
+    whole-file sha256 and part digests."""
+    from trainer.files import sha256, sha256_parts
+
+    folder = root / f"step-{step}"
+    folder.mkdir(parents=True)
+    torch.save({"format": 1, **state}, folder / "state.pt")
+    f, part = folder / "state.pt", 1 << 26
+    meta = {"format": 1, "step": step, "epoch": state.get("epoch"), "bytes": f.stat().st_size, "sha256": sha256(f),
+            "parts": {"bytes": part, "sha256": sha256_parts(f, part)}, "model": state.get("model_name"),
+            "batch_size": (state.get("config") or {}).get("train", {}).get("batch_size"), "classes": state.get("classes")}
+    (folder / "meta.json").write_text(json.dumps(meta))
+    return folder
+
+
+def reseal(folder: Path) -> None:
+    """meta.json's sizes and checksums made to match the files as they are now: a forger's step."""
+    from trainer.files import sha256, sha256_parts
+
+    meta = json.loads((folder / "meta.json").read_text())
+    for name, f in meta.get("files", {}).items():
+        f.update(bytes=(folder / name).stat().st_size, sha256=sha256_parts(folder / name, meta["part_bytes"]))
+    if "files" not in meta:
+        meta.update(bytes=(folder / "state.pt").stat().st_size, sha256=sha256(folder / "state.pt"), parts=None)
+    (folder / "meta.json").write_text(json.dumps(meta))
+
+
+def as_format1(folder: Path) -> dict:
+    """A DCP checkpoint's state in the layout format 1 had (for write_format1)."""
+    from trainer.worker.checkpoint import folder as files
+
+    state, meta = saved(folder), files.read_meta(folder)
+    return {"model_name": meta["model"], "classes": meta["classes"], "config": meta["config"], **state, **state.pop("train")}
 
 
 def tree_files(folder: Path) -> dict[str, tuple[int, int]]:

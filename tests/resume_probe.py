@@ -30,15 +30,16 @@ def live_layout(run) -> dict[str, tuple]:
     model = unwrap(run.model)
     out = {f"model/{k}": layout(v) for k, v in model.state_dict(keep_vars=True).items()}
     names = {id(p): n for n, p in model.named_parameters()}
-    if run.masters:  # train.param_dtype=bf16: the fp32 masters and their momentum
-        out.update({f"masters/{kind}/{n}": layout(t) for kind, ts in run.masters.state_dict().items() for n, t in ts.items()})
+    masters, lookahead = run.extras.masters, run.extras.lookahead
+    if masters:  # train.param_dtype=bf16: the fp32 masters and their momentum
+        out.update({f"masters/{kind}/{n}": layout(t) for kind, ts in masters.state_dict().items() for n, t in ts.items()})
     for group in run.optimizer.param_groups:
         for p in group["params"]:
             for key, v in run.optimizer.state.get(p, {}).items():
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
                     out[f"optimizer/{names[id(p)]}/{key}"] = layout(v)
-    if run.lookahead is not None:
-        out.update({f"lookahead/{n}": layout(s) for n, s in zip(run.lookahead.names, run.lookahead.slow, strict=True)})
+    if lookahead is not None:
+        out.update({f"lookahead/{n}": layout(s) for n, s in zip(lookahead.names, lookahead.slow, strict=True)})
     return out
 
 
@@ -61,7 +62,10 @@ def main() -> None:
     restored = live_layout(run)
     code = Trainer(run).fit()
     final = live_layout(run)
-    state = run.checkpointer.collect()  # a collective under fsdp
+    parts = run.checkpointer.parts
+    for part in parts.values():
+        part.full = True  # whole tensors (the model's and optimizer's parts: a collective under fsdp)
+    state = {k: p.state_dict() for k, p in parts.items()}
     if rt.is_main:
         values = flat({k: state[k] for k in ("model", "optimizer", "masters", "lookahead") if state.get(k) is not None})
         torch.save({"restored": restored, "final": final, "values": values, "resumed": run.resumed_from is not None,

@@ -9,74 +9,75 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, env
+from conftest import ROOT, env, reseal, write_format1
 
-from trainer.files import sha256, sha256_parts
-from trainer.worker import checkpoint
-from trainer.worker.checkpoint import AsyncWriter, CheckpointError
+from trainer.config_loader import load_config
+from trainer.worker.checkpoint import folder as checkpoint
+from trainer.worker.checkpoint import parts, store
+from trainer.worker.checkpoint.checkpointer import Checkpointer
+from trainer.worker.checkpoint.folder import CheckpointError
 
 
 def state(step: int) -> dict:
     torch.manual_seed(step)
-    return {"format": checkpoint.FORMAT, "model_name": "tinynet", "model": {"w": torch.randn(64, 64)}, "step": step, "epoch": 0}
+    return {"model": {"w": torch.randn(64, 64)}, "train": {"step": step, "epoch": 0, "epoch_step": step}}
+
+
+def write(s: dict, root, step: int, keep: int = 3):
+    return store.write_state(s, root, step, keep, {"model": "tinynet"})
 
 
 def test_write_is_complete_verified_and_keeps_the_last_k(tmp_path):
     for step in (10, 20, 30, 40):
-        checkpoint.write(state(step), tmp_path, step, keep=2)
+        write(state(step), tmp_path, step, keep=2)
     assert [s for s, _ in checkpoint.complete(tmp_path)] == [30, 40]
     meta = checkpoint.verify(tmp_path / "step-40")
-    assert meta["step"] == 40 and meta["bytes"] == (tmp_path / "step-40" / "state.pt").stat().st_size
-    assert torch.equal(checkpoint.load(tmp_path / "step-40")["model"]["w"], state(40)["model"]["w"])
+    assert meta["step"] == 40 and meta["format"] == store.FORMAT and meta["state"]["train"]["step"] == 40
+    assert set(meta["files"]) == {".metadata", "__0_0.distcp"}
+    assert all(meta["files"][n]["bytes"] == (tmp_path / "step-40" / n).stat().st_size for n in meta["files"])
+    back = store.read(tmp_path / "step-40")
+    assert torch.equal(back["model"]["w"], state(40)["model"]["w"]) and back["train"] == state(40)["train"]
     assert not list(tmp_path.glob(".tmp-*"))
 
 
-@pytest.mark.parametrize("part_bytes", [1000, 4096, 1 << 26])
-def test_part_digests_written_match_the_parts_hashed_side_by_side(tmp_path, part_bytes):
-    """The writer hashes each part as torch.save's writes arrive, of any size and across part
-    boundaries; the resume hashes the file's parts in threads: the two agree."""
-    raw = torch.randint(0, 256, (3 * 4096 + 17,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
-    data = bytes(raw.tolist())
-    with open(tmp_path / "f", "wb") as fh, pytest.MonkeyPatch.context() as mp:
-        mp.setattr(checkpoint, "PART_BYTES", part_bytes)
-        writer, at = checkpoint._HashingWriter(fh), 0
-        for size in (1, 999, 4096, 5000, 1, len(data)):
-            writer.write(data[at:at + size])
-            at += size
-        digests = writer.part_digests()
-    assert writer.size == len(data) and writer.sha.hexdigest() == sha256(tmp_path / "f")
-    assert digests == sha256_parts(tmp_path / "f", part_bytes, threads=3)
-    assert len(digests) == -(-len(data) // part_bytes)
-
-
-def test_a_damaged_part_is_found_and_old_checkpoints_verify_by_the_whole_file(tmp_path, monkeypatch):
+def test_a_damaged_part_is_found_and_format_1_checkpoints_verify_by_the_whole_file(tmp_path, monkeypatch):
     monkeypatch.setattr(checkpoint, "PART_BYTES", 1000)
-    checkpoint.write(state(1), tmp_path, 1, keep=3)
-    folder, f = tmp_path / "step-1", tmp_path / "step-1" / "state.pt"
+    write(state(1), tmp_path, 1)
+    folder, f = tmp_path / "step-1", tmp_path / "step-1" / "__0_0.distcp"
     meta = json.loads((folder / "meta.json").read_text())
-    assert meta["parts"]["bytes"] == 1000 and len(meta["parts"]["sha256"]) == -(-f.stat().st_size // 1000)
-    checkpoint.verify(folder)
-    # a checkpoint written before the parts: its whole-file sha256 is checked
-    del meta["parts"]
-    (folder / "meta.json").write_text(json.dumps(meta))
+    assert meta["part_bytes"] == 1000 and len(meta["files"][f.name]["sha256"]) == -(-f.stat().st_size // 1000)
     checkpoint.verify(folder)
     raw = bytearray(f.read_bytes())
     raw[-3] ^= 0xFF  # in the last, short part
     f.write_bytes(bytes(raw))
     with pytest.raises(CheckpointError, match="corrupted"):
         checkpoint.verify(folder)
-    meta["parts"] = {"bytes": 1000, "sha256": sha256_parts(f, 1000)}
-    meta["parts"]["sha256"][1] = "0" * 64
-    (folder / "meta.json").write_text(json.dumps(meta))
+    # a checkpoint of format 1 (one state.pt): its parts, or before them its whole-file sha256
+    old = write_format1({"model": {"w": torch.ones(3)}, "model_name": "tinynet", "config": {}}, tmp_path / "old", 2)
+    meta = checkpoint.verify(old)
+    del meta["parts"]
+    (old / "meta.json").write_text(json.dumps(meta))
+    checkpoint.verify(old)
+    (old / "state.pt").write_bytes((old / "state.pt").read_bytes()[:-1] + b"x")
     with pytest.raises(CheckpointError, match="corrupted"):
-        checkpoint.verify(folder)
+        checkpoint.verify(old)
+
+
+def test_format_1_checkpoints_still_load(tmp_path):
+    w = torch.randn(5, 5)
+    old = write_format1({"model": {"w": w}, "model_name": "tinynet", "classes": ["a", "b"], "config": {"train": {"batch_size": 8}},
+                         "epoch": 1, "epoch_step": 2, "step": 9}, tmp_path, 9)
+    folder, about, whole = store.open_checkpoint(old, verify=True)
+    assert (about["model"], about["classes"], about["batch_size"]) == ("tinynet", ["a", "b"], 8)
+    assert torch.equal(whole["model"]["w"], w) and whole["train"] == {"epoch": 1, "epoch_step": 2, "step": 9}
+    assert torch.equal(store.read(old, ("model",))["model"]["w"], w)
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "no-state"])
 def test_damaged_newest_is_reported_set_aside_and_the_previous_used(tmp_path, damage):
     for step in (1, 2):
-        checkpoint.write(state(step), tmp_path, step, keep=3)
-    f = tmp_path / "step-2" / "state.pt"
+        write(state(step), tmp_path, step, keep=3)
+    f = tmp_path / "step-2" / "__0_0.distcp"
     if damage == "truncate":
         f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     elif damage == "flip":
@@ -94,23 +95,23 @@ def test_damaged_newest_is_reported_set_aside_and_the_previous_used(tmp_path, da
 
 
 def test_keep_last_k_never_deletes_the_only_good_checkpoint(tmp_path):
-    checkpoint.write(state(1), tmp_path, 1, keep=1)
-    checkpoint.write(state(2), tmp_path, 2, keep=1)
+    write(state(1), tmp_path, 1, keep=1)
+    write(state(2), tmp_path, 2, keep=1)
     assert [p.name for _, p in checkpoint.complete(tmp_path)] == ["step-2"]
     # a rewound run writing a step again keeps the older copy aside instead of replacing it
-    checkpoint.write(state(3), tmp_path, 2, keep=1)
+    write(state(3), tmp_path, 2, keep=1)
     assert list(tmp_path.glob("step-2.replaced-*"))
 
 
 def test_crash_between_write_and_rename_leaves_the_old_checkpoint(tmp_path):
-    checkpoint.write(state(1), tmp_path, 1, keep=3)
+    write(state(1), tmp_path, 1, keep=3)
     code = (
-        "import sys, torch; from trainer.worker import checkpoint; from pathlib import Path\n"
-        "checkpoint.write({'format': 1, 'model': {'w': torch.ones(1000)}}, Path(sys.argv[1]), 2, 3)\n"
+        "import sys, torch; from trainer.worker.checkpoint import store; from pathlib import Path\n"
+        "store.write_state({'model': {'w': torch.ones(1000)}}, Path(sys.argv[1]), 2, 3)\n"
     )
     p = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env(TRAINER_FAULT="before-rename:kill"), cwd=ROOT)
     assert p.returncode == -signal.SIGKILL
-    assert list(tmp_path.glob(".tmp-step-2-*")), "the half-done save is still there, under its temporary name"
+    assert list(tmp_path.glob(".tmp-step-2")), "the half-done save is still there, under its temporary name"
     assert checkpoint.newest_good(tmp_path) == tmp_path / "step-1"
     checkpoint.clean_temporaries(tmp_path)
     assert not list(tmp_path.glob(".tmp-*"))
@@ -119,14 +120,19 @@ def test_crash_between_write_and_rename_leaves_the_old_checkpoint(tmp_path):
 def test_files_that_are_not_checkpoints_are_refused(tmp_path):
     junk = tmp_path / "junk.pt"
     junk.write_bytes(os.urandom(1000))
-    with pytest.raises(CheckpointError, match="not a loadable trainer checkpoint"):
-        checkpoint.load(junk)
-    plain = tmp_path / "myModule_0.pth"  # what the article saved: a bare state_dict
+    with pytest.raises(CheckpointError, match="not a trainer checkpoint"):
+        store.open_checkpoint(junk, verify=True)
+    plain = tmp_path / "article" / "myModule_0.pth"  # what the article saved: a bare state_dict
+    plain.parent.mkdir()
     torch.save({"0.weight": torch.ones(2)}, plain)
     with pytest.raises(CheckpointError, match="not a trainer checkpoint"):
-        checkpoint.load(plain)
+        store.open_checkpoint(plain, verify=True)
     with pytest.raises(CheckpointError, match="does not exist"):
-        checkpoint.load(tmp_path / "step-9")
+        store.open_checkpoint(tmp_path / "step-9", verify=True)
+    folder = write(state(1), tmp_path / "ck", 1)
+    (folder / ".metadata").write_bytes(os.urandom(1000))
+    with pytest.raises(CheckpointError, match="not a loadable trainer checkpoint"):
+        store.read(folder)
 
 
 class Exploit:
@@ -137,20 +143,28 @@ class Exploit:
         return (os.system, (f"touch {self.marker}",))
 
 
-def test_a_pickle_that_would_run_code_is_refused(tmp_path):
+@pytest.mark.parametrize("where", ["state.pt", ".metadata", "entry"])
+def test_a_pickle_that_would_run_code_is_refused(tmp_path, where):
+    """A forged checkpoint with matching checksums: code in a format-1 state.pt, in DCP's
+    .metadata, or as a non-tensor entry (which DCP would load with weights_only=False)."""
     marker = tmp_path / "pwned"
-    evil = tmp_path / "evil.pt"
-    torch.save({"format": 1, "model": {}, "payload": Exploit(marker)}, evil, pickle_module=pickle)
-    with pytest.raises(CheckpointError, match="not a loadable trainer checkpoint"):
-        checkpoint.load(evil)
-    assert not marker.exists()
-    # and inside a step folder with a matching checksum it is still refused
-    folder = tmp_path / "step-5"
-    folder.mkdir()
-    evil.rename(folder / "state.pt")
-    (folder / "meta.json").write_text(json.dumps({"bytes": (folder / "state.pt").stat().st_size, "sha256": sha256(folder / "state.pt")}))
-    with pytest.raises(CheckpointError):
-        checkpoint.load(folder)
+    if where == "state.pt":
+        folder = write_format1({"model": {}, "model_name": "tinynet", "config": {}}, tmp_path, 5)
+        torch.save({"format": 1, "model": {}, "payload": Exploit(marker)}, folder / "state.pt", pickle_module=pickle)
+    elif where == ".metadata":
+        folder = write(state(5), tmp_path, 5)
+        (folder / ".metadata").write_bytes(pickle.dumps(Exploit(marker)))
+    else:
+        import torch.distributed.checkpoint as dcp
+
+        folder = write(state(5), tmp_path, 5)
+        dcp.save({"model": {"w": Exploit(marker)}}, checkpoint_id=str(tmp_path / "evil"), no_dist=True)
+        for name in (".metadata", "__0_0.distcp"):
+            (folder / name).write_bytes((tmp_path / "evil" / name).read_bytes())
+    reseal(folder)
+    checkpoint.verify(folder)
+    with pytest.raises(CheckpointError, match="not a loadable trainer checkpoint|not tensors"):
+        store.open_checkpoint(folder, verify=True)[2] is not None or store.read(folder)
     assert not marker.exists()
 
 
@@ -160,10 +174,11 @@ def test_the_space_probe_counts_every_model_without_importing_the_compiler():
     # gives the same parameter bytes.
     code = """
 import json, sys, torch
-from trainer.worker import checkpoint, models
+from trainer.worker import models
+from trainer.worker.checkpoint.parts import state_bytes
 from trainer.config_loader import load_config
 cfgs = [load_config(c, []) for c in ("configs/default.yaml", "configs/fast.yaml", "configs/seed.yaml")]
-got = [checkpoint.state_bytes(cfg) for cfg in cfgs]
+got = [state_bytes(cfg) for cfg in cfgs]
 imported = "torch._dynamo" in sys.modules
 plain = []
 for cfg in cfgs:
@@ -191,23 +206,33 @@ def test_write_probe_finds_unwritable_and_full_volumes(tmp_path):
     assert list((tmp_path / "ck").iterdir()) == []
 
 
-def test_async_writer_writes_the_same_checkpoint(tmp_path):
-    w = AsyncWriter()
-    s = state(7)
-    w.save(s, tmp_path / "a", 7, keep=2)
-    s["model"]["w"].zero_()  # training goes on: the snapshot must not see this
-    w.wait()
-    checkpoint.write(state(7), tmp_path / "b", 7, keep=2)
-    assert torch.equal(checkpoint.load(tmp_path / "a" / "step-7")["model"]["w"], checkpoint.load(tmp_path / "b" / "step-7")["model"]["w"])
+def test_an_async_save_writes_what_the_parts_held_at_the_call(tmp_path):
+    """Training goes on while the write runs: the staged copy must not see it."""
+    cfg = load_config(None, ["model.name=tinynet", f"checkpoint.dir={tmp_path}"])
+    w = torch.randn(64, 64)
+
+    class Part:
+        def state_dict(self):
+            return {"w": w}
+
+    ck = Checkpointer(cfg, is_main=True, async_save=True)
+    ck.register(model=Part(), train=parts.TrainState(step=7))
+    ck.reserve()
+    before = w.clone()
+    stall, background = ck.save(7, sync=False)
+    w.zero_()
+    ck.wait()
+    assert background and torch.equal(store.read(tmp_path / "step-7")["model"]["w"], before)
+    assert store.read(tmp_path / "step-7")["train"]["step"] == 7
 
 
 def test_keep_k_needs_room_for_k_plus_one_checkpoints(tmp_path):
     assert checkpoint.space_needed(tmp_path, 100, keep=3) == 400  # nothing there yet: K + 1 to come
     for step in (1, 2):
-        checkpoint.write(state(step), tmp_path, step, keep=3)
+        write(state(step), tmp_path, step, keep=3)
     assert checkpoint.space_needed(tmp_path, 100, keep=3) == 200
     for step in (3, 4, 5):
-        checkpoint.write(state(step), tmp_path, step, keep=3)
+        write(state(step), tmp_path, step, keep=3)
     assert checkpoint.space_needed(tmp_path, 100, keep=3) == 100  # steady state: one more at a save
     free = __import__("shutil").disk_usage(tmp_path).free
     with pytest.raises(CheckpointError, match=r"checkpoint.keep=2 needs \(K \+ 1 checkpoints at a save.*lower checkpoint.keep"):
@@ -218,14 +243,14 @@ def test_keep_k_needs_room_for_k_plus_one_checkpoints(tmp_path):
 FULL_DISK = """
 import resource, signal, sys, torch
 from pathlib import Path
-from trainer.worker import checkpoint
+from trainer.worker.checkpoint import folder, store
 root = Path(sys.argv[1])
-checkpoint.write({"format": 1, "model_name": "tinynet", "model": {"w": torch.ones(10)}}, root, 1, 3)
+store.write_state({"model": {"w": torch.ones(10)}}, root, 1, 3)
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)           # a write past the limit fails with EFBIG,
 resource.setrlimit(resource.RLIMIT_FSIZE, (50_000, 50_000))  # as one past a full disk fails with ENOSPC
 try:
-    checkpoint.write({"format": 1, "model_name": "tinynet", "model": {"w": torch.ones(100_000)}}, root, 2, 3)
-except checkpoint.CheckpointError as e:
+    store.write_state({"model": {"w": torch.ones(100_000)}}, root, 2, 3)
+except folder.CheckpointError as e:
     print(e)
 """
 

@@ -16,7 +16,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY, env, made_once, newest, record_fault, run, torchrun_cmd, trainer_cmd, tree_files, weights, workers
+from conftest import (
+    ROOT,
+    TINY,
+    env,
+    made_once,
+    newest,
+    record_fault,
+    reseal,
+    run,
+    saved,
+    torchrun_cmd,
+    trainer_cmd,
+    tree_files,
+    weights,
+    workers,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -116,7 +131,7 @@ def test_sigterm_stops_every_rank_saves_that_step_and_resumes(tmp_path, referenc
         out = drive(agent, on_line)
         stopped = re.search(r"stopped by SIGTERM at step (\d+); checkpoint saved, exit 75", out)
         assert stopped, out[-2000:]
-        assert (ckpt / f"step-{stopped.group(1)}" / "state.pt").is_file()
+        assert (ckpt / f"step-{stopped.group(1)}" / "meta.json").is_file()
         assert int(stopped.group(1)) >= sent[0]
         out2 = run(torchrun_cmd(2, "train", *JOB, f"checkpoint.dir={ckpt}")).stdout
         assert f"step-{stopped.group(1)}" in out2 and "resuming from" in out2
@@ -165,7 +180,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, referenc
     with trial("truncated or flipped newest checkpoint: resume from the previous"):
         ckpt = tmp_path / "ckpt"
         assert f"done: step {STEPS}" in drive(start(ckpt))
-        state = ckpt / f"step-{STEPS}" / "state.pt"
+        state = ckpt / f"step-{STEPS}" / "__0_0.distcp"
         raw = bytearray(state.read_bytes())
         if damage == "truncated":
             raw = raw[: len(raw) // 3]
@@ -206,16 +221,16 @@ def test_a_silent_rank_times_out_instead_of_hanging(tmp_path, reference, trial_n
 
 
 def forged(tmp_path: Path, mutate) -> Path:
-    """A real checkpoint, altered by ``mutate`` and re-sealed with a matching checksum."""
-    from trainer.worker import checkpoint
+    """A real checkpoint, its state and what meta.json says of it altered by ``mutate``, and
+    re-sealed with matching checksums."""
+    from trainer.worker.checkpoint import folder, store
 
     src = tmp_path / "src"
     run(trainer_cmd("train", *TINY, f"checkpoint.dir={src}", "train.epochs=1"))
-    state = torch.load(src / "step-16" / "state.pt", weights_only=True)
-    mutate(state)
-    out = tmp_path / "forged"
-    checkpoint.write(state, out, 16, keep=1)
-    return out / "step-16"
+    state, about = saved(src / "step-16"), folder.read_meta(src / "step-16")
+    mutate(state, about)
+    about = {k: about[k] for k in ("model", "classes", "batch_size", "config", "epoch")}
+    return store.write_state(state, tmp_path / "forged", 16, 1, about)
 
 
 def bad_cases(tmp_path: Path) -> list[tuple[str, str, list[str], str]]:
@@ -228,8 +243,8 @@ def bad_cases(tmp_path: Path) -> list[tuple[str, str, list[str], str]]:
     no_classes = tmp_path / "noclasses"
     (no_classes / "train").mkdir(parents=True)
     (no_classes / "test").mkdir()
-    other_model = forged(tmp_path / "m", lambda s: s.update(model_name="resnet18"))
-    wrong_shape = forged(tmp_path / "w", lambda s: s["model"].update({"0.weight": torch.zeros(8, 3, 3, 3)}))
+    other_model = forged(tmp_path / "m", lambda s, about: about.update(model="resnet18"))
+    wrong_shape = forged(tmp_path / "w", lambda s, about: s["model"].update({"0.weight": torch.zeros(8, 3, 3, 3)}))
     return [
         ("unknown config key", "train", ["train.epoks=2"], "did you mean train.epochs"),
         ("mistyped value", "train", ["train.epochs=two"], "train.epochs"),
@@ -240,7 +255,7 @@ def bad_cases(tmp_path: Path) -> list[tuple[str, str, list[str], str]]:
         ("checkpoint of another model", "train", [f"checkpoint.resume={other_model}"], "holds model 'resnet18'"),
         ("resume with another global batch", "launch", ["--nproc-per-node=2", "train.batch_size=64"], "count batches of 32"),
         ("checkpoint of an incompatible shape", "train", [f"checkpoint.resume={wrong_shape}"], "does not fit model tinynet"),
-        ("file that is not a checkpoint", "train", [f"checkpoint.resume={junk}"], "not a loadable trainer checkpoint"),
+        ("file that is not a checkpoint", "train", [f"checkpoint.resume={junk}"], "not a trainer checkpoint"),
         ("resume path that does not exist", "train", [f"checkpoint.resume={tmp_path / 'step-7'}"], "does not exist"),
         ("unwritable checkpoint folder", "train", [f"checkpoint.dir={blocker}/ck"], "is not writable"),
         ("read-only file system", "train", ["checkpoint.dir=/proc/trainer-checkpoints"], "is not writable"),
@@ -286,12 +301,15 @@ def test_a_corrupt_image_is_skipped_with_a_warning(tmp_path):
 
 
 def test_a_malicious_checkpoint_is_refused_end_to_end(tmp_path):
+    """Code in DCP's .metadata (a pickle), with checksums that match."""
+    from trainer.worker.checkpoint import store
+
     marker = tmp_path / "pwned"
-    folder = tmp_path / "evil" / "step-1"
-    folder.mkdir(parents=True)
-    payload = f"import os, pickle\nclass E:\n    def __reduce__(self): return (os.system, ('touch {marker}',))\n"
-    payload += f"import torch; torch.save({{'format': 1, 'model': {{}}, 'x': E()}}, '{folder / 'state.pt'}')\n"
-    subprocess.run([sys.executable, "-c", payload], check=True)
+    folder = store.write_state({"model": {"0.weight": torch.ones(1)}}, tmp_path / "evil", 1, 1, {"model": "tinynet"})
+    payload = f"import os, pickle, sys\nclass E:\n    def __reduce__(self): return (os.system, ('touch {marker}',))\n"
+    payload += "sys.stdout.buffer.write(pickle.dumps(E()))\n"
+    (folder / ".metadata").write_bytes(subprocess.run([sys.executable, "-c", payload], check=True, capture_output=True).stdout)
+    reseal(folder)
     p = run(trainer_cmd("train", *TINY, f"checkpoint.dir={tmp_path / 'ck'}", f"checkpoint.resume={folder}"), check=False)
     ok = p.returncode == 2 and "not a loadable trainer checkpoint" in p.stderr and not marker.exists()
     record_fault("malicious pickle in a checkpoint: refused, code not run", 1, int(ok))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -259,6 +260,8 @@ def test_a_blocked_data_read_leaves_stacks_and_the_restart_finishes(tmp_path, re
     assert hung_at and agent.returncode == 0 and "resuming from" in out, out[-3000:]
     stacks = (ckpt / "hang-rank0.txt").read_text()
     assert "after step 150" in stacks and "crash_point" in stacks and "train_epoch" in stacks
+    record = ckpt / "nccl-trace-rank0"  # NCCL's flight recorder, dumped when the watchdog fired and named by its line
+    assert f"NCCL flight record in {record}" in out and "version" in pickle.loads(record.read_bytes()), out[-3000:]
     acc, rec = final_acc(ckpt), recovery_s(ckpt, hung_at)
     report(f"a data read that blocks on rank 0 of {NPROC} after step 150, hang watchdog {HANG_BOUND_S} s", result="finished",
            exit=agent.returncode, recovery_s=rec, bound_s=HANG_BOUND_S + 30, test_acc=acc, reference_acc=reference)

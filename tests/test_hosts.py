@@ -496,7 +496,7 @@ def test_pytorchjob_pods_on_two_hosts_train_and_a_lost_worker_pod_is_replaced_by
         print(f"PyTorchJob: worker pod lost -> the master's next training step {t_back - t_crash:.1f} s later (5 s of it the pod was down)")
         both_finish(list(running.values()))
         assert "strategy ddp x2" in running[job.master].out and "done: step 384" in running[job.master].out
-    assert (job.paths["/checkpoints"] / job.name / "step-384" / "state.pt").is_file()
+    assert (job.paths["/checkpoints"] / job.name / "step-384" / "meta.json").is_file()
 
 
 def test_pytorchjob_pods_deleted_save_once_exit_75_and_the_new_pods_resume(tmp_path):

@@ -577,7 +577,7 @@ def test_operator_simulation_an_evicted_pod_exits_203_is_replaced_and_the_job_re
     assert pods.run(exitcode_policy, [("master-0", r"epoch 2/4 step", "evict:worker-0")]) == "Succeeded"
     assert pods.codes["worker-0"] == [203, 0] and "exit 203 (run the same command to resume)" in pods.out("worker-0", 0)
     # rank 0 (which prints) is on whichever pod the re-formed group gave it to
-    assert "resuming from" in pods.out("master-0") + pods.out("worker-0") and (paths["/checkpoints"] / "cifar-ddp" / "step-64" / "state.pt").is_file()
+    assert "resuming from" in pods.out("master-0") + pods.out("worker-0") and (paths["/checkpoints"] / "cifar-ddp" / "step-64" / "meta.json").is_file()
 
 
 @pytest.mark.slow
@@ -717,7 +717,7 @@ def test_trainer_v2_simulation_an_evicted_pod_is_ignored_replaced_and_the_trainj
     assert pods.run(controller, [("*", r"epoch 2/4 step", "evict:node-1")]) == "Succeeded"
     assert ("node-1", 75, "Ignore") in controller.log and controller.failures == 0, controller.log
     last = pods.out("node-0") + pods.out("node-1")  # rank 0 (which prints) is on whichever pod the re-formed group gave it to
-    assert "strategy ddp x2" in last and "resuming from" in last and (ckpt / "step-64" / "state.pt").is_file()
+    assert "strategy ddp x2" in last and "resuming from" in last and (ckpt / "step-64" / "meta.json").is_file()
 
 
 @pytest.mark.slow
@@ -725,7 +725,7 @@ def test_trainer_v2_simulation_a_pod_killed_outright_counts_once_and_the_trainjo
     pods, controller, ckpt = trainjob_case(tmp_path, ["train.epochs=4"], SLOW_STEPS)
     assert pods.run(controller, [("*", r"epoch 2/4 step", "kill:node-1")]) == "Succeeded"
     assert ("node-1", 137, "Count") in controller.log and controller.failures == 1, controller.log
-    assert (ckpt / "step-64" / "state.pt").is_file()
+    assert (ckpt / "step-64" / "meta.json").is_file()
 
 
 @pytest.mark.slow
@@ -756,7 +756,7 @@ def test_torchx_local_cwd_runs_the_ddp_component_from_a_venv_not_activated(tmp_p
                "train.plot=false", env=env(TORCHX_LOG_DIR=str(tmp_path / "logs"), PATH=path), timeout=600)
     out = p.stdout + p.stderr
     assert "Job finished: SUCCEEDED" in out and "strategy ddp x2" in out, out[-3000:]
-    assert (tmp_path / "ck" / "step-32" / "state.pt").is_file()
+    assert (tmp_path / "ck" / "step-32" / "meta.json").is_file()
     assert "CUDA_VISIBLE_DEVICES" not in out  # a CPU job (--gpu 0) asks for no GPU: no TorchX warning block
 
 
@@ -773,7 +773,7 @@ def test_torchx_trains_from_shards_on_its_data_dir(tmp_path):
                "data.loader=stream", "train.epochs=1", "train.batch_size=24", "train.plot=false", env=env(TORCHX_LOG_DIR=str(tmp_path / "logs")), timeout=600)
     out = p.stdout + p.stderr
     assert "Job finished: SUCCEEDED" in out and f"shards {tmp_path / 'shards'}: 120 train / 30 test images, 10 classes" in out, out[-3000:]
-    assert "streamed from shards" in out and (tmp_path / "ck" / "step-5" / "state.pt").is_file()
+    assert "streamed from shards" in out and (tmp_path / "ck" / "step-5" / "meta.json").is_file()
 
 
 @pytest.mark.slow
@@ -788,7 +788,7 @@ def test_torchx_local_from_the_tools_venv_runs_the_repositorys_venv_or_says_what
     torchx_bin = str(tools_venv / "bin" / "torchx")
     p = run([torchx_bin, *local], env=env(TORCHX_LOG_DIR=str(tmp_path / "logs"), PATH=no_torch), timeout=600, check=False)
     out = p.stdout + p.stderr
-    assert "Job finished: SUCCEEDED" in out and list((tmp_path / "ck").glob("step-*/state.pt")), out[-3000:]
+    assert "Job finished: SUCCEEDED" in out and list((tmp_path / "ck").glob("step-*/meta.json")), out[-3000:]
     clone = tmp_path / "clone"  # the tracked files, no .venv
     files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     for f in files:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, TINY, env, newest, run, train, trainer_cmd, tree_files, weights
+from conftest import ROOT, TINY, env, newest, run, saved, train, trainer_cmd, tree_files, weights
 
 CONSTANT = ("optim.schedule=constant", "optim.momentum=0.9")
 
@@ -65,10 +65,10 @@ def test_run_folder_holds_config_metrics_curves_and_checkpoints(ckpt):
     epochs = [r for r in rows if r["event"] == "epoch"]
     assert [r["epoch"] for r in epochs] == [1, 2]
     assert all(r["train_loss"] > 0 and 0 <= r["test_acc"] <= 1 and r["images_per_s"] > 0 for r in epochs)
-    state = torch.load(ckpt / "step-32" / "state.pt", weights_only=True)
-    assert set(state) == {"format", "model_name", "classes", "model", "optimizer", "scheduler", "epoch", "step", "epoch_step", "config"}
-    assert state["classes"] == [f"class{i}" for i in range(10)]
-    assert state["config"]["train"]["epochs"] == 2 and state["step"] == 32 and state["epoch"] == 2
+    state, meta = saved(ckpt / "step-32"), json.loads((ckpt / "step-32" / "meta.json").read_text())
+    assert set(state) == {"model", "optimizer", "scheduler", "train"} and meta["model"] == "tinynet"
+    assert meta["classes"] == [f"class{i}" for i in range(10)]
+    assert meta["config"]["train"]["epochs"] == 2 and state["train"]["step"] == 32 and state["train"]["epoch"] == 2
 
 
 def test_eval_command_reproduces_the_final_accuracy(ckpt):

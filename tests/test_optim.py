@@ -5,7 +5,8 @@ import torch
 from torch import nn
 
 from trainer.config_loader import load_config
-from trainer.worker.optim import Lookahead, build_optimizer, lr_factor, param_groups
+from trainer.worker.optim import build_optimizer, lr_factor, param_groups
+from trainer.worker.speed import Lookahead
 
 
 def test_biases_learn_faster_with_the_same_decay_per_step():
@@ -53,7 +54,8 @@ def test_bf16_weights_follow_torch_sgd_on_their_fp32_masters(compiled, momentum,
     """train.param_dtype=bf16: the masters take torch.optim.SGD's steps from the bf16 gradients
     (same lr schedule and momentum), and the working weights are the masters rounded to bf16 after
     every step; the optimizer holds the working weights and steps only the other parameters."""
-    from trainer.worker.optim import MasterWeights, build_schedule
+    from trainer.worker.optim import build_schedule
+    from trainer.worker.speed import MasterWeights
 
     torch.manual_seed(0)
     cfg = load_config(None, [f"optim.momentum={momentum}", f"optim.nesterov={str(nesterov).lower()}", f"optim.weight_decay={wd}",
@@ -62,7 +64,8 @@ def test_bf16_weights_follow_torch_sgd_on_their_fp32_masters(compiled, momentum,
     reference = [p.detach().clone() for p in model.parameters()]
     masters = MasterWeights(model, compiled=compiled)
     assert [p.dtype for p in model.parameters()] == [torch.bfloat16, torch.float32, torch.float32, torch.float32, torch.bfloat16, torch.float32]
-    opt = build_optimizer(model, cfg, cuda=False, masters=masters)
+    opt = build_optimizer(model, cfg, cuda=False)
+    masters.attach(opt)
     schedule = build_schedule(opt, cfg, 4, 4)
     ref_opt = torch.optim.SGD([{"params": [reference[i] for i in (0, 4)]}, {"params": [reference[i] for i in (1, 2, 3, 5)]}],
                               lr=0.1, momentum=momentum, nesterov=nesterov, weight_decay=wd, foreach=False)
@@ -95,12 +98,13 @@ def test_bf16_weights_follow_torch_sgd_on_their_fp32_masters(compiled, momentum,
 def test_masters_are_a_checkpoint_part_of_their_own():
     """The fp32 masters and their momentum save and load as one part; without them (a checkpoint of
     an fp32 run) they start from the restored weights with zero momentum."""
-    from trainer.worker.optim import MasterWeights
+    from trainer.worker.speed import MasterWeights
 
     cfg = load_config(None, ["optim.momentum=0.9", "train.precision=bf16", "train.param_dtype=bf16"])
     model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
     masters = MasterWeights(model, compiled=False)
-    opt = build_optimizer(model, cfg, cuda=False, masters=masters)
+    opt = build_optimizer(model, cfg, cuda=False)
+    masters.attach(opt)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model(torch.randn(5, 4)).float().sum().backward()
     opt.step()

@@ -6,7 +6,7 @@ import torch.distributed as dist
 from conftest import BF16_DDP, DDP_12_STEPS
 
 from trainer.config_loader import load_config
-from trainer.worker import models, parallel
+from trainer.worker import models, parallel, speed
 from trainer.worker.runtime import Runtime
 
 
@@ -21,7 +21,7 @@ def test_ddp_settings_reach_the_wrapper(tmp_path):
             value = str(flag).lower()
             cfg = load_config(None, [f"dist.broadcast_buffers={value}", f"dist.static_graph={value}",
                                      f"dist.gradient_as_bucket_view={value}", f"dist.split_graph_at_buckets={value}", "dist.bucket_mb=7"])
-            net = parallel.wrap(models.build("tinynet"), torch.nn.CrossEntropyLoss(), cfg, rt, compile_model=False, bf16=False)
+            net = parallel.wrap(models.build("tinynet"), torch.nn.CrossEntropyLoss(), cfg, rt, compile_model=False, bf16=False, extras=speed.Extras(cfg, False, False))
             assert isinstance(net, torch.nn.parallel.DistributedDataParallel)
             sync = getattr(net, "forward_sync_buffers", getattr(net, "broadcast_buffers", None))  # the name of torch 2.14, or of 2.11
             assert (sync, net.static_graph, net.gradient_as_bucket_view) == (flag, flag, flag)
@@ -40,16 +40,16 @@ def test_compiled_ddp_splits_its_graph_only_for_large_gradients():
     bucket while backward runs; ResNet-18's 45 MB (under SPLIT_BUCKETS buckets) after one graph,
     and so is everything in one process, which has no all-reduce to hide."""
     with torch.device("meta"):  # sizes only, no memory
-        assert parallel.split_at_buckets(models.build("seednet"), None, 25, world_size=2)
-        assert not parallel.split_at_buckets(models.build("resnet18"), None, 25, world_size=2)
-        assert parallel.split_at_buckets(models.build("resnet18"), None, 1, world_size=2)  # 45 MB is many 1 MB buckets
-        assert not parallel.split_at_buckets(models.build("seednet"), None, 25, world_size=1)  # one process: nothing to overlap
-        assert parallel.split_at_buckets(models.build("tinynet"), True, 25, world_size=1) and not parallel.split_at_buckets(models.build("seednet"), False, 25, world_size=2)
+        assert speed.split_at_buckets(models.build("seednet"), None, 25, world_size=2)
+        assert not speed.split_at_buckets(models.build("resnet18"), None, 25, world_size=2)
+        assert speed.split_at_buckets(models.build("resnet18"), None, 1, world_size=2)  # 45 MB is many 1 MB buckets
+        assert not speed.split_at_buckets(models.build("seednet"), None, 25, world_size=1)  # one process: nothing to overlap
+        assert speed.split_at_buckets(models.build("tinynet"), True, 25, world_size=1) and not speed.split_at_buckets(models.build("seednet"), False, 25, world_size=2)
 
 
 def test_linear_layers_gather_factors_only_where_that_sends_fewer_values():
     from trainer.worker.models import build
-    from trainer.worker.parallel import GatheredFactorsLinear, gather_linear_factors
+    from trainer.worker.speed import GatheredFactorsLinear, gather_linear_factors
 
     with torch.device("meta"):  # seednet's shapes without its 2.4 GB
         net = build("seednet")
@@ -64,7 +64,7 @@ def test_linear_layers_gather_factors_only_where_that_sends_fewer_values():
 
 def test_a_gathered_linear_stays_out_of_the_compiled_graphs():
     from trainer.worker.models import build
-    from trainer.worker.parallel import gather_linear_factors
+    from trainer.worker.speed import gather_linear_factors
 
     def linears_compiled(net) -> int:
         found = []

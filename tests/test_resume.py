@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, env, free_port, run
+from conftest import TINY, as_format1, env, free_port, run, write_format1
+from conftest import saved as saved_state
 
 PROBE = "tests/resume_probe.py"
 BASE = [*TINY, "train.epochs=2", "checkpoint.every_steps=5", "checkpoint.keep=10", "optim.momentum=0.9", "data.crop_padding=4"]
@@ -47,16 +48,7 @@ def check_resume(tmp_path: Path, overrides: list[str], nproc: int = 1, exact: bo
     differ = {k: (res["restored"].get(k), v) for k, v in ref["final"].items() if res["restored"].get(k) != v}
     assert not differ, f"restored layout differs from the live run's (restored, live): {differ}"
 
-    # 2. the checkpoint file itself keeps the live layout (an async snapshot must not densify)
-    saved = torch.load(tmp_path / "a" / f"step-{RESUME_AT}" / "state.pt", weights_only=True)
-    for name, t in saved["model"].items():
-        assert stride_of(t) == ref["final"][f"model/{name}"][2:], f"saved model/{name} lost its layout"
-    for name, st in saved["optimizer"]["state"].items():
-        for key, v in st.items():
-            if isinstance(v, torch.Tensor) and v.dim() > 0:
-                assert stride_of(v) == ref["final"][f"optimizer/{name}/{key}"][2:], f"saved optimizer/{name}/{key} lost its layout"
-
-    # 3. training goes on to the same end
+    # 2. training goes on to the same end
     assert ref["values"].keys() == res["values"].keys()
     for k, a in ref["values"].items():
         b = res["values"][k]
@@ -102,8 +94,7 @@ def test_a_resume_with_other_optim_settings_runs_with_them(tmp_path, saved, now)
     run(trainer_cmd("train", *common, "train.max_steps=8", f"optim.momentum={saved}"))
     p = run(trainer_cmd("train", *common, "train.max_steps=12", f"optim.momentum={now}", "optim.weight_decay=0.001"))
     assert "resuming from" in p.stdout and "step-8" in p.stdout, p.stdout[-2000:]
-    before = torch.load(ck / "step-8" / "state.pt", weights_only=True)["optimizer"]
-    after = torch.load(ck / "step-12" / "state.pt", weights_only=True)["optimizer"]
+    before, after = saved_state(ck / "step-8")["optimizer"], saved_state(ck / "step-12")["optimizer"]
     assert {g["momentum"] for g in before["param_groups"]} == {float(saved)}
     assert {g["momentum"] for g in after["param_groups"]} == {float(now)}
     assert {g["weight_decay"] for g in after["param_groups"] if g["weight_decay"]} == {0.001}
@@ -132,24 +123,18 @@ def test_resume_is_exact_two_ranks(tmp_path, strategy, overrides):
     check_resume(tmp_path, [f"train.strategy={strategy}", *overrides], nproc=2)
 
 
-def test_old_checkpoints_with_dense_momentum_resume_in_the_parameters_layout(tmp_path):
-    """A checkpoint written before snapshots kept strides (momentum stored NCHW-contiguous for a
-    channels-last weight) still resumes with every buffer in its parameter's layout."""
+def test_format_1_checkpoints_with_dense_momentum_resume_in_the_parameters_layout(tmp_path):
+    """A checkpoint of format 1 (one state.pt, before DCP), written before snapshots kept strides
+    (momentum stored NCHW-contiguous for a channels-last weight), still resumes, exactly, with
+    every buffer in its parameter's layout."""
     args = [*BASE, "model.channels_last=true", "checkpoint.async_save=false"]
     ref = probe(tmp_path / "ref.pt", [*args, f"checkpoint.dir={tmp_path / 'a'}"], 1)
     folder = tmp_path / "a" / f"step-{RESUME_AT}"
-    state = torch.load(folder / "state.pt", weights_only=True)
-    dense = 0
-    for st in state["optimizer"]["state"].values():
-        for key, v in st.items():
-            if isinstance(v, torch.Tensor) and v.dim() == 4:
-                st[key] = v.contiguous()
-                dense += not v.is_contiguous()
-    state["model"] = {k: v.contiguous() for k, v in state["model"].items()}
-    assert dense, "the reference run should have channels-last momentum buffers"
-    from trainer.worker import checkpoint
-
-    checkpoint.write(state, tmp_path / "b", RESUME_AT, keep=3)
+    state = as_format1(folder)  # read back whole: every tensor NCHW-contiguous
+    live = [k for k, (_, _, shape, stride) in ref["final"].items() if k.startswith("optimizer/") and len(shape) == 4]
+    assert live and all(ref["final"][k][3] != torch.empty(ref["final"][k][2]).stride() for k in live), "the run should have channels-last momentum"
+    assert all(v.is_contiguous() for st in state["optimizer"]["state"].values() for v in st.values() if isinstance(v, torch.Tensor))
+    write_format1(state, tmp_path / "b", RESUME_AT)
     res = probe(tmp_path / "res.pt", [*args, f"checkpoint.dir={tmp_path / 'b'}"], 1)
     assert res["restored"] == ref["final"]
     for k, a in ref["values"].items():

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, TINY, env, free_port, run, torchrun_cmd, train, trainer_cmd, tree_files
+from conftest import ROOT, TINY, env, free_port, run, torchrun_cmd, train, trainer_cmd, tree_files, weights
 
 from trainer.config import ConfigError
 from trainer.config_loader import load_config
@@ -103,7 +103,7 @@ def test_only_rank_zero_prints_and_writes(tmp_path, ckpt):
     assert "epoch 1/1" in outs["0"] and outs["1"].strip() == ""
     lines = (ckpt / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == len(set(lines)) and sum('"event": "epoch"' in line for line in lines) == 1
-    keys = torch.load(ckpt / "step-16" / "state.pt", weights_only=True)["model"].keys()
+    keys = weights(ckpt / "step-16").keys()
     assert keys and not any(k.startswith(("module.", "_orig_mod.")) for k in keys)
 
 
@@ -135,6 +135,6 @@ def test_legacy_torch_distributed_launch_still_works(ckpt):
 def test_a_plain_process_trains_alone_on_the_cpu_without_a_process_group(ckpt):
     """No launcher at all (the article's first part): strategy cpu, world size 1, no rendezvous."""
     p = train(ckpt, "train.epochs=1")
-    assert "strategy cpu x1 on cpu" in p.stdout and (ckpt / "step-16" / "state.pt").is_file()
+    assert "strategy cpu x1 on cpu" in p.stdout and (ckpt / "step-16" / "meta.json").is_file()
     start = next(json.loads(line) for line in (ckpt / "metrics.jsonl").read_text().splitlines() if '"start"' in line)
     assert (start["strategy"], start["world_size"]) == ("cpu", 1)

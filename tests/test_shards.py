@@ -92,8 +92,8 @@ def test_shards_that_fit_train_in_memory_and_the_start_line_names_the_data(tmp_p
     start = next(line for line in (p.stdout + p.stderr).splitlines() if line.startswith("airnet |"))
     assert f"shards {tmp_path / 'sh'}: 200 train / 50 test images, 10 classes, 48 px (auto: the images' median shorter side 48 px)" in start
     assert "| in memory, in host memory:" in start
-    state = torch.load(tmp_path / "ck" / "step-3" / "state.pt", weights_only=True)
-    assert state["classes"] == [f"class{c}" for c in range(10)] and state["config"]["data"]["image_size"] == 48
+    meta = json.loads((tmp_path / "ck" / "step-3" / "meta.json").read_text())
+    assert meta["classes"] == [f"class{c}" for c in range(10)] and meta["config"]["data"]["image_size"] == 48
 
 
 def test_check_refuses_a_model_that_cannot_take_the_images_before_any_worker_starts(tmp_path):

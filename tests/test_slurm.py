@@ -48,7 +48,7 @@ def test_batch_scripts_train_and_checkpoint(tmp_path, script, args, shown):
     assert job_field(job, "JobState") == "COMPLETED" and job_field(job, "ExitCode") == "0:0"
     out = log(tmp_path, job)
     assert "done: step 32" in out and shown in out, out
-    assert (tmp_path / "checkpoints" / "t" / "step-32" / "state.pt").is_file()
+    assert (tmp_path / "checkpoints" / "t" / "step-32" / "meta.json").is_file()
 
 
 def test_single_script_on_cpu_strategy_names_the_problem(tmp_path):
@@ -105,7 +105,7 @@ def test_a_plain_sigterm_to_the_job_step_ends_the_job_with_75_and_a_checkpoint(t
     out = log(tmp_path, job)
     assert job_field(job, "JobState") == "FAILED" and job_field(job, "ExitCode") == "75:0", out
     stopped = re.search(r"stopped by SIGTERM at step (\d+)", out)
-    assert stopped and (tmp_path / "checkpoints" / "term" / f"step-{stopped.group(1)}" / "state.pt").is_file(), out
+    assert stopped and (tmp_path / "checkpoints" / "term" / f"step-{stopped.group(1)}" / "meta.json").is_file(), out
 
 
 def test_the_ddp_script_asks_for_requeue_a_time_limit_and_one_task_per_node(tmp_path):

@@ -15,14 +15,18 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 from conftest import ROOT, TINY, env, newest, run, trainer_cmd
 
 from trainer.contract import EXIT_PREEMPTED, EXIT_RUNNING, EXIT_USAGE
 from trainer.launch import supervisor
 from trainer.launch.procs import has_children
 from trainer.launch.supervisor import recorded, verdict
-from trainer.worker import checkpoint
-from trainer.worker.checkpoint import CheckpointError, FolderLock
+from trainer.worker.checkpoint import folder as checkpoint
+from trainer.worker.checkpoint import lock as checkpoint_lock
+from trainer.worker.checkpoint import store
+from trainer.worker.checkpoint.folder import CheckpointError
+from trainer.worker.checkpoint.lock import FolderLock
 
 LONG = [*TINY, "train.epochs=400", "train.log_every=8", "checkpoint.every_steps=0"]
 
@@ -319,14 +323,14 @@ def test_the_heartbeat_is_written_while_the_lock_is_held(tmp_path):
     seen, deadline = [], time.time() + 10  # every 0.1 s: a loaded machine may be slower, never this slow
     while time.time() < deadline and (not seen or seen[-1] == first):
         seen.append(json.loads((tmp_path / checkpoint.LOCK).read_text())["heartbeat"])  # never an empty file, however often read
-    assert seen[-1] > first and (tmp_path / checkpoint.LOCK).stat().st_size == checkpoint.LOCK_RECORD_BYTES
+    assert seen[-1] > first and (tmp_path / checkpoint.LOCK).stat().st_size == checkpoint_lock.LOCK_RECORD_BYTES
     lock.release()
 
 
 def test_set_aside_folders_are_pruned_beyond_a_small_bound(tmp_path):
-    state = {"format": checkpoint.FORMAT, "model_name": "tinynet", "model": {}, "step": 1, "epoch": 0}
+    state = {"model": {"w": torch.ones(1)}, "train": {"step": 1}}
     for _ in range(5):  # two writers saving the same step over and over
-        checkpoint.write(state, tmp_path, 1, keep=3)
+        store.write_state(state, tmp_path, 1, 3)
         time.sleep(0.01)
     (tmp_path / "step-0.corrupt").mkdir()
     said: list[str] = []
@@ -334,7 +338,7 @@ def test_set_aside_folders_are_pruned_beyond_a_small_bound(tmp_path):
     left = sorted(p.name for p in tmp_path.iterdir() if checkpoint.SET_ASIDE.match(p.name))
     assert len(left) == checkpoint.KEEP_SET_ASIDE and "step-0.corrupt" in left  # the newest ones stay
     assert gone_ and said and "deleted" in said[0]
-    assert (tmp_path / "step-1" / "state.pt").is_file()
+    assert (tmp_path / "step-1" / "meta.json").is_file()
 
 
 @pytest.mark.slow

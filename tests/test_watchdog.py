@@ -291,7 +291,7 @@ def test_a_checkpoint_write_that_blocks_is_caught_and_the_job_finishes(ckpt):
     assert "done: step 384" in out and "resuming from" in out, out[-3000:]
     stacks = (ckpt / "hang-rank0.txt").read_text()
     assert "after step 64" in stacks and "crash_point" in stacks and "save" in stacks
-    assert not (ckpt / "step-64").exists() or (ckpt / "step-64" / "state.pt").is_file()
+    assert not (ckpt / "step-64").exists() or (ckpt / "step-64" / "meta.json").is_file()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -378,3 +378,25 @@ def test_a_gpu_steps_waits_on_its_queue_are_its_pace_not_stalls(tmp_path):
     assert dog.stalled_s == 0
     dog._pause(30.0, "step")  # a cut link ridden out still is one
     assert dog.stalled_s == pytest.approx(30.0 - 0.001)
+
+
+def test_nccl_flight_records_go_to_the_run_folder_and_a_line_names_only_this_process_s(tmp_path, monkeypatch):
+    """NCCL dumps its flight recorder where runtime.flight_recorder points it (unless the user
+    chose a place), waiting 1 s for it; a line names the record only if this process wrote it
+    (one left by an earlier attempt is not this fault's)."""
+    from trainer.worker.runtime import flight_recorder
+
+    for name in ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/elsewhere/trace-")
+    flight_recorder(tmp_path / "run")
+    assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "run" / "nccl-trace-rank")
+    assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == "/elsewhere/trace-"
+    assert (os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"], os.environ["TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"]) == ("1", "1000")
+    record = tmp_path / "run" / "nccl-trace-rank3"
+    assert watchdog.flight_record(tmp_path / "run", 3, dump=True) == ""  # no NCCL group here: nothing to dump
+    record.write_bytes(b"x")
+    os.utime(record, (watchdog._STARTED - 60, watchdog._STARTED - 60))
+    assert watchdog.flight_record(tmp_path / "run", 3) == ""
+    record.write_bytes(b"x")
+    assert watchdog.flight_record(tmp_path / "run", 3) == f"; NCCL flight record in {record}"

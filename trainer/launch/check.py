@@ -8,7 +8,10 @@ from pathlib import Path
 import torch
 
 from trainer.config import Config, ConfigError, check_devices
-from trainer.worker import checkpoint, data, models
+from trainer.worker import data, models
+from trainer.worker.checkpoint import folder as checkpoint
+from trainer.worker.checkpoint.lock import FolderLock
+from trainer.worker.checkpoint.parts import state_bytes
 
 
 def preflight(cfg: Config) -> None:
@@ -18,8 +21,8 @@ def preflight(cfg: Config) -> None:
     folder. Raises ConfigError (exit 2); writes nothing but the folder itself and its lock file."""
     check_devices(cfg, torch.cuda.is_available())
     root = Path(cfg.checkpoint.dir)
-    checkpoint.probe(root, checkpoint.state_bytes(cfg), cfg.checkpoint.keep)
-    checkpoint.FolderLock(root).check()  # another live run writes there: exit 2 now, naming it
+    checkpoint.probe(root, state_bytes(cfg), cfg.checkpoint.keep)
+    FolderLock(root).check()  # another live run writes there: exit 2 now, naming it
     folder = checkpoint.explicit_resume(root, cfg.checkpoint.resume)
     if cfg.checkpoint.resume == "auto":
         folder = checkpoint.newest_complete(root)

@@ -152,7 +152,7 @@ def where_lost(argv: list[str]) -> str:
             steps += [int(m) for m in re.findall(r" (?:at|after) step (\d+)", p.read_text())]
         except OSError:
             continue
-    from trainer.worker.checkpoint import newest_complete  # torchrun's process: torch is imported already
+    from trainer.worker.checkpoint.folder import newest_complete
 
     cfg = training_config(argv)
     found = newest_complete(Path(cfg.checkpoint.dir)) if cfg else None

@@ -245,7 +245,7 @@ def exit_policy_problem() -> str | None:
 def crash_budget(root: Path, host: str, limit: int) -> tuple[int, str | None]:
     """Note one more crash of ``host``; (crashes in a row without a newer checkpoint, the newest
     checkpoint's name). A newer checkpoint than at the last crash starts the count again."""
-    from trainer.worker.checkpoint import newest_complete  # a crash is ending: the import's second is no cost
+    from trainer.worker.checkpoint.folder import newest_complete
 
     newest = newest_complete(root) if root.is_dir() else None
     step = newest.name if newest else None

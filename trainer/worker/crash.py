@@ -65,7 +65,7 @@ def what_next(root: Path | None) -> str:
 def _newest_step(root: Path | None) -> str:
     if root is None:
         return ""
-    from trainer.worker.checkpoint import newest_complete
+    from trainer.worker.checkpoint.folder import newest_complete
 
     try:
         found = newest_complete(root)
@@ -136,4 +136,7 @@ def report(error: BaseException, root: Path | None, rank: int, step: int | None,
         where = str(path)
     except OSError:
         say(text)
-    return f"{describe(error, rank, step, hosts, timeout_s, peers)}; {what_next(root)}; traceback in {where}"
+    from trainer.worker.watchdog import flight_record
+
+    record = flight_record(root, rank) if root is not None else ""
+    return f"{describe(error, rank, step, hosts, timeout_s, peers)}; {what_next(root)}; traceback in {where}{record}"

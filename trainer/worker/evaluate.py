@@ -10,7 +10,10 @@ import torch.nn.functional as F
 
 from trainer.config import Config
 from trainer.config_loader import from_dict, load_config
-from trainer.worker import checkpoint, data, models
+from trainer.worker import data, models
+from trainer.worker.checkpoint import folder as files
+from trainer.worker.checkpoint import store
+from trainer.worker.checkpoint.parts import ModelPart
 from trainer.worker.data import Split
 from trainer.worker.loader import Augment, eval_batches
 from trainer.worker.runtime import Runtime, all_reduce_sum, setup, teardown
@@ -59,14 +62,14 @@ def evaluate(model: torch.nn.Module, split: Split, cfg: Config, rt: Runtime, aug
 
 def evaluate_checkpoint(path: str, config_file: str | None, overrides) -> tuple[str, float, float, int]:
     """(checkpoint, test loss, test accuracy, test images) of the checkpoint at ``path`` (a step-N
-    folder, its state.pt, or a run folder: then its newest complete checkpoint)."""
+    folder, a file in it, or a run folder: then its newest complete checkpoint)."""
     from trainer.worker.run import Fast
 
-    folder = Path(path)
-    if folder.is_dir() and not (folder / checkpoint.STATE).exists() and (newest := checkpoint.newest_complete(folder)) is not None:
-        path = str(newest)  # a run folder: its newest complete checkpoint
-    state = checkpoint.load(path)
-    base = from_dict(state["config"])
+    where = Path(path)
+    if where.is_dir() and not (where / files.META).exists() and (newest := files.newest_complete(where)) is not None:
+        where = newest  # a run folder: its newest complete checkpoint
+    where, about, _ = store.open_checkpoint(where, verify=True)
+    base = from_dict(about["config"])
     base.train.strategy = "auto"  # evaluate wherever we are, whatever the run used
     base.checkpoint.resume = "never"
     cfg = load_config(config_file, overrides, base=base)
@@ -75,17 +78,18 @@ def evaluate_checkpoint(path: str, config_file: str | None, overrides) -> tuple[
     rt = setup(cfg)
     try:
         fast = Fast.resolve(cfg, rt)
-        checkpoint.check_model(state.get("model_name"), cfg.model.name, Path(path))
+        files.check_model(about.get("model"), cfg.model.name, where)
         plan = data.plan(cfg, None, 1)  # the size the checkpoint was trained at (stored resolved); streamed if large
         _, test_split = (None, Streamed(Path(cfg.data.dir), "test")) if plan.stream else data.load(cfg)
-        checkpoint.check_classes(state.get("classes"), test_split.classes, Path(path))
-        model = models.build(cfg.model.name, len(state.get("classes") or test_split.classes), cfg.data.image_size)
-        checkpoint.ModelPart(model, cfg.model.name).load_state_dict(state["model"], path)
+        files.check_classes(about.get("classes"), test_split.classes, where)
+        model = models.build(cfg.model.name, len(about.get("classes") or test_split.classes), cfg.data.image_size)
+        part = ModelPart(model, cfg.model.name)
+        part.full = True
+        part.load_state_dict(store.read(where, ("model",))["model"], where)
         model.to(rt.device)
         if fast.channels_last:
             model.to(memory_format=torch.channels_last)
         loss, acc = evaluate(model, test_split, cfg, rt, Augment(cfg, rt, fast.channels_last), fast.bf16)
-        return str(path), loss, acc, len(test_split)
+        return str(where), loss, acc, len(test_split)
     finally:
         teardown()
-

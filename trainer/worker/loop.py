@@ -104,8 +104,7 @@ class Trainer:
             _ = self.forward_backward(x, y).item()
             r.model.zero_grad(set_to_none=True)  # the model's: with bf16 weights the optimizer holds only their masters
             clock.mark("compile_and_first_forward_backward" if i == 0 else "cuda_graph_recording")
-        if r.masters is not None:
-            r.masters.warm_up(r.optimizer)
+        if r.extras.warm_up(r.optimizer):
             clock.mark("master_update_compile")
         with torch.no_grad():
             for k, v in r.model.state_dict().items():
@@ -144,8 +143,7 @@ class Trainer:
             r.optimizer.step()
             r.optimizer.zero_grad(set_to_none=True)
             r.schedule.step()
-            if r.lookahead is not None:
-                r.lookahead.step(self.state.step + 1, r.total_steps)
+            r.extras.after_step(self.state.step + 1, r.total_steps)
         return loss
 
     def train_epoch(self, epoch: int) -> bool:

@@ -15,11 +15,13 @@ from torch import nn
 
 from trainer.config import Config, ConfigError
 from trainer.worker import compile_cache, data, models, parallel
-from trainer.worker.checkpoint import Checkpointer, ModelPart, OptimizerPart, TrainState
+from trainer.worker.checkpoint.checkpointer import Checkpointer
+from trainer.worker.checkpoint.parts import ModelPart, OptimizerPart, TrainState
 from trainer.worker.loader import Augment, make_train_loader
 from trainer.worker.metrics import Progress, RunLog, Startup
-from trainer.worker.optim import Lookahead, MasterWeights, build_optimizer, build_schedule
+from trainer.worker.optim import build_optimizer, build_schedule
 from trainer.worker.runtime import Runtime, agree, broadcast
+from trainer.worker.speed import Extras
 from trainer.worker.stop import StopFlag
 from trainer.worker.watchdog import Watchdog
 
@@ -90,7 +92,8 @@ class Run:
     net: nn.Module
     optimizer: torch.optim.Optimizer
     schedule: Any
-    lookahead: Lookahead | None
+    extras: Extras
+    """The speed recipes' pieces (bf16 weights' fp32 masters, Lookahead, ...): trainer/worker/speed.py."""
     loader: Any
     augment: Augment
     steps_per_epoch: int
@@ -109,8 +112,6 @@ class Run:
     compile_cache: str = "off"
     """What the start-up found in checkpoint.dir/compile-cache: off, none, damaged or 'warm (N files)'."""
     compile_key: str = ""
-    masters: MasterWeights | None = None
-    """fp32 master weights behind bf16 working weights (train.param_dtype=bf16)."""
     hosts: list = field(default_factory=list)
     """Each rank's host name and addresses (dist.gather_hosts): a lost peer or a straggler is named by its host."""
 
@@ -120,7 +121,7 @@ def build(cfg: Config, rt: Runtime, started_at: float | None = None) -> Run:
     clock.mark("imports_and_process_group")
     fast, say = Fast.resolve(cfg, rt), Progress(rt.is_main)
     set_numerics(cfg)
-    ckpt = Checkpointer(cfg, rt.is_main, fast.async_save, say=say.line)
+    ckpt = Checkpointer(cfg, rt.is_main, fast.async_save, sharded=rt.strategy == "fsdp" and rt.collectives, say=say.line)
     resumed_from = pick_checkpoint(ckpt, rt)
     clock.mark("checkpoint_pick")
     train_split, test_split, steps_per_epoch, plan = load_data(cfg, rt, fast)
@@ -131,28 +132,30 @@ def build(cfg: Config, rt: Runtime, started_at: float | None = None) -> Run:
     model = build_model(cfg, rt, fast, augment, train_split, fresh=resumed_from is None)
     clock.mark("model")
     cache, cache_key = use_compile_cache(cfg, rt, fast, clock)  # before anything compiles
-    masters = MasterWeights(model, compiled=fast.compile) if fast.bf16_weights else None  # before DDP sees the weights
-    net = parallel.wrap(model, nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing), cfg, rt, fast.compile, fast.bf16, fast.compile_mode)
+    extras = Extras(cfg, fast.compile, fast.bf16_weights)  # the speed recipes' pieces: none unless asked for
+    extras.before_wrap(model)
+    net = parallel.wrap(model, nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing), cfg, rt, fast.compile, fast.bf16, extras,
+                        fast.compile_mode)
     clock.mark("wrap")
-    optimizer = build_optimizer(model, cfg, rt.cuda, sharded=rt.strategy == "fsdp", masters=masters)
+    optimizer = build_optimizer(model, cfg, rt.cuda, sharded=rt.strategy == "fsdp")
     total = steps_per_epoch * cfg.train.epochs
     total = min(total, cfg.train.max_steps) if cfg.train.max_steps else total
     schedule = build_schedule(optimizer, cfg, total, steps_per_epoch)
-    lookahead = Lookahead(model, cfg.optim.lookahead_every) if cfg.optim.lookahead_every else None
+    extras.after_optimizer(model, optimizer)
     clock.mark("optimizer")  # the first optimizer imports torch._dynamo (seconds), which compiling needs anyway
     state = TrainState()
-    ckpt.register(model=ModelPart(model, cfg.model.name), optimizer=OptimizerPart(model, optimizer), masters=masters,
-                  scheduler=schedule, lookahead=lookahead, train=state)
+    ckpt.register(model=ModelPart(model, cfg.model.name), optimizer=OptimizerPart(model, optimizer), scheduler=schedule,
+                  **extras.parts(), train=state)
     if resumed_from is not None:
         ckpt.restore(resumed_from)
         clock.mark("restore")
     return Run(
         cfg=cfg, rt=rt, fast=fast, root=ckpt.root, state=state, train_split=train_split, test_split=test_split, data_plan=plan,
-        model=model, net=net, optimizer=optimizer, schedule=schedule, lookahead=lookahead,
+        model=model, net=net, optimizer=optimizer, schedule=schedule, extras=extras,
         loader=make_loader(cfg, rt, train_split, fast, augment), augment=augment,
         steps_per_epoch=steps_per_epoch, total_steps=total, stop=StopFlag(rt), checkpointer=ckpt,
         metrics=RunLog(ckpt.root, rt, cfg.train.tensorboard, state.step if resumed_from else None), say=say,
-        resumed_from=resumed_from, started_at=clock.started_at, compile_cache=cache, compile_key=cache_key, masters=masters,
+        resumed_from=resumed_from, started_at=clock.started_at, compile_cache=cache, compile_key=cache_key,
         startup=clock, watchdog=Watchdog(cfg.dist.hang_timeout_s, ckpt.root, rt.rank, cfg.dist.timeout_s, rt.world_size if rt.collectives else 1),
     )
 

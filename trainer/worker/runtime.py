@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -110,13 +111,25 @@ def setup(cfg: Config) -> Runtime:
         kwargs: dict[str, Any] = {}
         if rt.backend == "nccl":
             kwargs["device_id"] = rt.device  # eager init: NCCL communicators bind to this GPU now
-            # On a collective timeout torch's watchdog first waits (60 s by default) for a
-            # flight-recorder dump that nobody asked for; a hung rank then costs that minute on
-            # top of dist.timeout_s before torchrun can restart the group. Set them to debug.
-            os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
-            os.environ.setdefault("TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC", "1000")
+            flight_recorder(Path(cfg.checkpoint.dir))
         dist.init_process_group(rt.backend, timeout=timedelta(seconds=cfg.dist.timeout_s), **kwargs)
     return rt
+
+
+def flight_recorder(root: Path) -> None:
+    """NCCL's flight recorder dumps into the run folder on a collective timeout (trainer/worker/
+    watchdog.py: FLIGHT_RECORD), waiting at most 1 s for it: torch waits 60 s by default, a minute
+    on top of dist.timeout_s before torchrun can restart the group."""
+    from trainer.worker.watchdog import FLIGHT_RECORD
+
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError:  # rank 0's write probe says so in one line, next
+        return
+    for name in ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):  # the name since torch 2.7, and before
+        os.environ.setdefault(name, str(root / FLIGHT_RECORD))
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    os.environ.setdefault("TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC", "1000")
 
 
 def teardown() -> None:

@@ -218,11 +218,39 @@ class Watchdog:
             where = "stderr (the run folder is not writable)"
             faulthandler.dump_traceback(sys.stderr, all_threads=True)
         line = (f"rank {self.rank} ({socket.gethostname()}): no training progress for {idle:.0f} s after step {self.step} "
-                f"(dist.hang_timeout_s, bound {bound:.0f} s){whom}; stacks in {where}; exiting {EXIT_HUNG} so that the launcher "
+                f"(dist.hang_timeout_s, bound {bound:.0f} s){whom}; stacks in {where}{flight_record(self.root, self.rank, dump=True)}; "
+                f"exiting {EXIT_HUNG} so that the launcher "
                 "restarts from the newest checkpoint")
         say(line)
         record_exit(EXIT_HUNG, line)  # for the supervisor: where the job was when a node is not back
         os._exit(EXIT_HUNG)  # the main thread is stuck: no cleanup can be trusted to finish
+
+
+FLIGHT_RECORD = "nccl-trace-rank"
+"""NCCL's flight recorder (the last 2000 collectives of each rank, on by default) dumps to
+``<run folder>/nccl-trace-rank<R>``: on a collective timeout (trainer/worker/runtime.py points it
+there), and when the hang watchdog fires. ``torchfrtrace`` reads the files of every rank together."""
+_STARTED = time.time()
+
+
+def flight_record(root: Path, rank: int, dump: bool = False) -> str:
+    """'; NCCL flight record in PATH' when this process wrote one (``dump``: write it now), else ''."""
+    path = root / f"{FLIGHT_RECORD}{rank}"
+    if dump and "torch" in sys.modules:
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized() and dist.get_backend() == "nccl":
+                from torch._C._distributed_c10d import _dump_nccl_trace  # no public call dumps on demand (torch 2.11)
+
+                with replacing(path) as tmp:
+                    tmp.write_bytes(_dump_nccl_trace())
+        except Exception:  # noqa: BLE001 - the stacks are written already; a missing record must not hide them
+            pass
+    try:
+        return f"; NCCL flight record in {path}" if path.stat().st_mtime >= _STARTED else ""
+    except OSError:
+        return ""
 
 
 def step_file(folder: Path, rank: int) -> Path:

@@ -1,0 +1,165 @@
+"""The one owner a run talks to: it claims the run folder, picks the checkpoint to resume from,
+restores it into the registered parts, and saves them.
+
+A save is synchronous, or asynchronous: DCP's stager copies the tensors into reused pinned host
+buffers (the only stall), and one thread of ours runs ``dcp.save`` and then the commit. Not
+``dcp.async_save``: its future completes before a done-callback has run, and the commit
+(checksums, meta.json, the rename) must be over before the next save or the end goes on.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from trainer.config import Config
+from trainer.config_loader import to_dict
+from trainer.worker.checkpoint import folder as files
+from trainer.worker.checkpoint import store
+from trainer.worker.checkpoint.lock import FolderLock
+from trainer.worker.checkpoint.parts import Stateful, state_bytes
+
+
+class Checkpointer:
+    """Rank 0 writes, and under fsdp every rank writes its shard; every rank calls :meth:`save`.
+
+    A resume: ``claim_and_pick`` (rank 0) before anything is built, then, once every part exists
+    and is registered, one ``restore``."""
+
+    def __init__(self, cfg: Config, is_main: bool, async_save: bool, sharded: bool = False, say=print):
+        self.cfg, self.is_main, self.say = cfg, is_main, say
+        self.root = Path(cfg.checkpoint.dir)
+        self.parts: dict[str, Stateful] = {}
+        self.async_save, self.sharded = async_save, sharded
+        self.writes = is_main or sharded
+        self.lock = FolderLock(self.root)
+        self.classes: list[str] | None = None
+        """The data's class names (saved; a resume on other classes is refused)."""
+        self.group = None
+        if sharded:  # a save's plan goes round on gloo: from the write thread, beside training's NCCL
+            import torch.distributed as dist
+
+            self.group = dist.new_group(backend="gloo", timeout=__import__("datetime").timedelta(seconds=cfg.dist.timeout_s))
+        self._stager = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    # -- claiming the folder, picking the checkpoint (rank 0) -------------------------------------------------------------------
+    def claim_and_pick(self) -> Path | None:
+        """Rank 0, before anything is written: the folder is writable and has room, this process
+        holds it alone, leftovers are cleaned; returns the checkpoint to resume from (or None)."""
+        files.probe(self.root, state_bytes(self.cfg), self.cfg.checkpoint.keep)
+        restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+        self.lock.acquire(wait_s=30.0 if restarted else 0.0, say=self.say)
+        resume = self.cfg.checkpoint.resume
+        path = files.explicit_resume(self.root, resume)
+        files.clean_temporaries(self.root)
+        return files.newest_good(self.root, say=self.say) if resume == "auto" else path
+
+    # -- restoring ----------------------------------------------------------------------------
+    def restore(self, path: Path) -> None:
+        """Load the checkpoint at ``path`` into every registered part, in registration order (the
+        model first). Rank 0 verified it when it picked it under resume=auto; an explicit path is
+        verified here. A part the checkpoint lacks (Lookahead switched on later, bf16 weights after
+        an fp32 run) starts from the restored weights."""
+        path, about, old = store.open_checkpoint(path, verify=self.is_main and self.cfg.checkpoint.resume != "auto")
+        files.check_model(about.get("model"), self.cfg.model.name, path)
+        files.check_global_batch(about.get("batch_size"), self.cfg.train.batch_size, path)
+        files.check_classes(about.get("classes"), self.classes, path)
+        for part in self.parts.values():  # a format-1 checkpoint holds whole tensors
+            if hasattr(part, "full"):
+                part.full = old is not None
+        self._check_fits(path, old)
+        saved = store.load_into(path, {k: p.state_dict() for k, p in self.parts.items()}, self.group, old)
+        for key, part in self.parts.items():
+            if key == "model":
+                part.load_state_dict(saved["model"], path)  # type: ignore[call-arg]
+            elif key in saved:
+                part.load_state_dict(saved[key])
+            elif hasattr(part, "from_model"):
+                self.say(f"{path} has no {key} state; it starts from the checkpoint's weights")
+                part.from_model()
+        for part in self.parts.values():
+            if hasattr(part, "full"):
+                part.full = False
+
+    def _check_fits(self, path: Path, old: dict | None) -> None:
+        """Every weight of the model is in the checkpoint, in its shape: else one line."""
+        if old is not None or "model" not in self.parts:
+            return
+        have = store.saved_tensors(path)
+        for key, t in store.flat(self.parts["model"].state_dict(), "model.").items():
+            found = have.get(key)
+            if found is None or tuple(found.size) != tuple(t.shape):
+                what = "missing" if found is None else f"{tuple(found.size)} saved, {tuple(t.shape)} here"
+                raise files.CheckpointError(f"checkpoint {path} does not fit model {self.cfg.model.name} ({key[6:]}: {what}); "
+                                            f"use a checkpoint of this model")
+
+    # -- saving -------------------------------------------------------------------------------
+    def register(self, **parts: Stateful | None) -> None:
+        self.parts.update({k: v for k, v in parts.items() if v is not None})
+
+    def _state(self) -> tuple[dict, dict]:
+        tensors, rest = store.split({k: p.state_dict() for k, p in self.parts.items()})
+        about = {"model": self.cfg.model.name, "classes": self.classes, "batch_size": self.cfg.train.batch_size,
+                 "epoch": rest.get("train", {}).get("epoch"), "config": to_dict(self.cfg), "state": rest}
+        return tensors, about
+
+    def _stage(self, tensors: dict) -> dict:
+        if self._stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            cuda = torch.cuda.is_available()  # pinned buffers, reused from save to save; one sync at the end
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
+                                                        use_non_blocking_copy=cuda))
+        return self._stager.stage(tensors)
+
+    def reserve(self) -> None:
+        """Host buffers for async saves, once the optimizer state exists (after the first step):
+        pinning gigabytes takes a second or more, which no save should pay."""
+        if self.async_save and self.writes:
+            self._stage(self._state()[0])
+
+    def save(self, step: int, sync: bool) -> tuple[float, bool] | None:
+        """Write ``step-N`` from the registered parts; (stall seconds, async) on rank 0, else None.
+        Only the copy to host memory stalls training when async."""
+        if not self.writes:
+            return None
+        tensors, about = self._state()
+        t0 = time.perf_counter()
+        self.wait()
+        keep = self.cfg.checkpoint.keep
+        background = self.async_save and not sync
+        if background:
+            staged = self._stage(tensors)
+
+            def run():
+                try:
+                    store.write(staged, self.root, step, keep, about, writer=self.is_main, group=self.group, say=self.say)
+                except BaseException as e:  # noqa: BLE001 - re-raised in wait()
+                    self._error = e
+
+            self._thread = threading.Thread(target=run, name=f"checkpoint-step-{step}", daemon=False)
+            self._thread.start()
+        else:
+            store.write(tensors, self.root, step, keep, about, writer=self.is_main, group=self.group, say=self.say)
+        return (time.perf_counter() - t0, background) if self.is_main else None
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            warnings.warn(f"background checkpoint write failed: {err}", stacklevel=2)
+            raise err
+
+    def close(self) -> None:
+        self.lock.release()
+        if self._stager is not None:
+            self._stager.close()
