@@ -65,18 +65,20 @@ def allreduce() -> None:
     dist.destroy_process_group()
 
 
-def stall(overrides: list[str]) -> None:
-    """Seconds that training stands still for an async save and for a sync save of the same state."""
+def stall(args: list[str]) -> None:
+    """Seconds that training stands still for an async save and for a sync save of the same state.
+    ``args``: a config file first (default configs/seed.yaml), then overrides."""
     from trainer.config_loader import load_config
-    from trainer.worker.checkpoint.folder import files_of, newest_complete, read_meta
     from trainer.worker.loop import Trainer
     from trainer.worker.run import build
     from trainer.worker.runtime import setup
 
+    config = args[0] if args and args[0].endswith(".yaml") else "configs/seed.yaml"
+    overrides = args[1:] if args and args[0].endswith(".yaml") else args
     folder = tempfile.mkdtemp(prefix="stall-", dir=os.environ.get("BENCH_TMP"))
-    cfg = load_config("configs/seed.yaml", ["data.name=synthetic", "data.synthetic_train_size=4096",
-                                            "checkpoint.every_epochs=0", f"checkpoint.dir={folder}",
-                                            "checkpoint.async_save=true", "train.plot=false", *overrides])
+    cfg = load_config(config, ["data.name=synthetic", "data.synthetic_train_size=4096",
+                               "checkpoint.every_epochs=0", f"checkpoint.dir={folder}",
+                               "checkpoint.async_save=true", "train.plot=false", *overrides])
     run = build(cfg, setup(cfg))
     trainer = Trainer(run)
     trainer.start()
@@ -101,9 +103,10 @@ def stall(overrides: list[str]) -> None:
     t0 = time.perf_counter()
     trainer.save(sync=True)
     sync_stall = time.perf_counter() - t0
-    # what a save writes
-    state_bytes = sum(f["bytes"] for f in files_of(read_meta(newest_complete(Path(cfg.checkpoint.dir)))).values())
-    emit({"run": "checkpoint-stall", "model": cfg.model.name, "state_GB": state_bytes / 1e9,
+    # what a save writes: the newest step-N folder's files (any checkpoint format)
+    newest = max(Path(cfg.checkpoint.dir).glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    state_bytes = sum(f.stat().st_size for f in newest.iterdir() if f.is_file())
+    emit({"run": "checkpoint-stall", "config": config, "model": cfg.model.name, "state_GB": state_bytes / 1e9,
           "async_stall_s": async_stall, "sync_stall_s": sync_stall, "step_ms": base * 1e3,
           "step_ms_during_write": during * 1e3})
 
