@@ -43,7 +43,7 @@ def split(state: dict) -> tuple[dict, dict]:
     tensors, rest = {}, {}
     for k, v in state.items():
         if isinstance(v, torch.Tensor):
-            tensors[k] = v
+            tensors[k] = v.detach()  # a plain tensor: no Python attributes for a stager to copy
         elif isinstance(v, dict):
             tensors[k], rest[k] = split(v)
         else:
