@@ -280,3 +280,30 @@ def test_a_full_volume_during_training_stops_with_exit_2_and_one_line(tmp_path):
     assert p.returncode == 2 and len(errors) == 1, p.stderr[-2000:]
     assert "could not write checkpoint step-2" in errors[0] and "no complete checkpoint exists yet" in errors[0] and "Traceback" not in p.stderr
     assert not list(ck.glob("step-*")) and not list(ck.glob(".tmp-*"))
+
+
+def test_metadata_that_pickles_enum_members_by_name_loads_and_getattr_reaches_nothing_else(tmp_path):
+    """Newer Pythons pickle an enum member as getattr(its class, its name), as the image's did; the
+    reader takes that for DCP's own enums and nothing else (getattr on anything would reach every class)."""
+    import enum
+    import io
+
+    folder = write(state(3), tmp_path, 3)
+
+    class ByName(pickle.Pickler):
+        def reducer_override(self, obj):
+            return (getattr, (type(obj), obj.name)) if isinstance(obj, enum.Enum) else NotImplemented
+
+    md = store.saved_tensors(folder)  # read as this Python wrote it
+    full = store._reader(folder).read_metadata()
+    buf = io.BytesIO()
+    ByName(buf).dump(full)
+    assert b"getattr" in buf.getvalue()
+    (folder / ".metadata").write_bytes(buf.getvalue())
+    reseal(folder)
+    assert set(store.saved_tensors(folder)) == set(md) and torch.equal(store.read(folder)["model"]["w"], state(3)["model"]["w"])
+    # getattr(torch.Size, "__subclasses__")(): the first step to every class in the process
+    (folder / ".metadata").write_bytes(b"cbuiltins\ngetattr\n(ctorch\nSize\nV__subclasses__\ntR(tR.")
+    reseal(folder)
+    with pytest.raises(CheckpointError, match="not a loadable trainer checkpoint.*__subclasses__"):
+        store.read(folder)

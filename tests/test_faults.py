@@ -148,7 +148,7 @@ def test_sigterm_during_a_save(tmp_path, reference, save_step):
         def watch():  # SIGTERM while rank 0 is inside the save (its temporary folder exists)
             deadline = time.time() + 120
             while time.time() < deadline and agent.poll() is None:
-                if list(ckpt.glob(f".tmp-step-{save_step}-*")):
+                if (ckpt / f".tmp-step-{save_step}").is_dir():
                     agent.send_signal(signal.SIGTERM)
                     sent.append(True)
                     return

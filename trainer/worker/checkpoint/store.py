@@ -86,10 +86,22 @@ class _MetadataUnpickler(pickle.Unpickler):
             ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
 
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("builtins", "getattr"):  # how newer Pythons pickle an enum member: by its name
+            return _member
         if (module, name) in self.SAFE or module == "torch.distributed.checkpoint.metadata" or (
                 module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
+
+
+def _member(cls: Any, name: str) -> Any:
+    """getattr for one thing only, a member of one of DCP's metadata enums (any other attribute
+    would open every class to the pickle)."""
+    import enum
+
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and cls.__module__ == "torch.distributed.checkpoint.metadata" and name in cls.__members__:
+        return cls[name]
+    raise pickle.UnpicklingError(f"getattr({cls!r}, {name!r}) is not part of a checkpoint's metadata")
 
 
 def _reader(folder: Path):
