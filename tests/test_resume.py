@@ -139,3 +139,25 @@ def test_format_1_checkpoints_with_dense_momentum_resume_in_the_parameters_layou
     assert res["restored"] == ref["final"]
     for k, a in ref["values"].items():
         assert torch.equal(a, res["values"][k]), k
+
+
+@pytest.mark.slow
+def test_fsdp_shards_resume_in_one_process_and_back_and_trainer_eval_reads_them(tmp_path):
+    """DCP reshards: two fsdp ranks each write their shard; one process resumes from them, two fsdp
+    ranks resume from that one process's checkpoint, and `trainer eval` reads the sharded one whole."""
+    from conftest import torchrun_cmd, trainer_cmd
+
+    ck = tmp_path / "ck"
+    common = [*TINY, "train.epochs=2", f"checkpoint.dir={ck}", "checkpoint.every_steps=4", "optim.momentum=0.9"]
+    run(torchrun_cmd(2, "train", *common, "train.strategy=fsdp", "train.max_steps=8"), env=env())
+    assert len(list((ck / "step-8").glob("*.distcp"))) == 2, "each rank writes its own shard"
+    whole = saved_state(ck / "step-8")["model"]
+    from trainer.worker import models
+
+    assert {k: tuple(t.shape) for k, t in whole.items()} == {k: tuple(t.shape) for k, t in models.build("tinynet").state_dict().items()}
+    p = run(trainer_cmd("train", *common, "train.max_steps=12"))
+    assert "resuming from" in p.stdout and "step-8" in p.stdout and "strategy cpu x1" in p.stdout, p.stdout[-2000:]
+    p = run(torchrun_cmd(2, "train", *common, "train.strategy=fsdp", "train.max_steps=16"))
+    assert "resuming from" in p.stdout and "step-12" in p.stdout and "done: step 16" in p.stdout, p.stdout[-2000:]
+    e = run(trainer_cmd("eval", str(ck / "step-8")))
+    assert "test accuracy" in e.stdout, e.stdout + e.stderr
