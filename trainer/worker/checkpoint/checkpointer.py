@@ -15,6 +15,7 @@ import os
 import threading
 import time
 import warnings
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -46,7 +47,7 @@ class Checkpointer:
         if sharded:  # a save's plan goes round on gloo: from the write thread, beside training's NCCL
             import torch.distributed as dist
 
-            self.group = dist.new_group(backend="gloo", timeout=__import__("datetime").timedelta(seconds=cfg.dist.timeout_s))
+            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.dist.timeout_s))
         self._stager = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -76,8 +77,7 @@ class Checkpointer:
         for part in self.parts.values():  # a format-1 checkpoint holds whole tensors
             if hasattr(part, "full"):
                 part.full = old is not None
-        self._check_fits(path, old)
-        saved = store.load_into(path, {k: p.state_dict() for k, p in self.parts.items()}, self.group, old)
+        saved = store.load_into(path, {k: p.state_dict() for k, p in self.parts.items()}, about, self.group, old)
         for key, part in self.parts.items():
             if key == "model":
                 part.load_state_dict(saved["model"], path)  # type: ignore[call-arg]
@@ -89,18 +89,6 @@ class Checkpointer:
         for part in self.parts.values():
             if hasattr(part, "full"):
                 part.full = False
-
-    def _check_fits(self, path: Path, old: dict | None) -> None:
-        """Every weight of the model is in the checkpoint, in its shape: else one line."""
-        if old is not None or "model" not in self.parts:
-            return
-        have = store.saved_tensors(path)
-        for key, t in store.flat(self.parts["model"].state_dict(), "model.").items():
-            found = have.get(key)
-            if found is None or tuple(found.size) != tuple(t.shape):
-                what = "missing" if found is None else f"{tuple(found.size)} saved, {tuple(t.shape)} here"
-                raise files.CheckpointError(f"checkpoint {path} does not fit model {self.cfg.model.name} ({key[6:]}: {what}); "
-                                            f"use a checkpoint of this model")
 
     # -- saving -------------------------------------------------------------------------------
     def register(self, **parts: Stateful | None) -> None:

@@ -20,6 +20,7 @@ Checkpoints of format 1 (one ``state.pt``, written before DCP) still load, throu
 from __future__ import annotations
 
 import pickle
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -109,20 +110,24 @@ def _reader(folder: Path):
     from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 
     class SafeReader(FileSystemReader):
+        md = None  # read once: a load asks for it again
+
         def read_metadata(self, *args: Any, **kwargs: Any):
-            try:
-                with open(folder / ".metadata", "rb") as fh:
-                    md = _MetadataUnpickler(fh).load()
-            except Exception as e:  # noqa: BLE001 - every way a file fails to be metadata means the same here
-                raise CheckpointError(f"{folder} is not a loadable trainer checkpoint ({one_line(e, 160)}); "
-                                      f"pass a step-N folder written by `trainer train`") from None
-            odd = [k for k, v in md.state_dict_metadata.items() if not isinstance(v, TensorStorageMetadata)]
-            if odd:
-                raise CheckpointError(f"{folder} holds entries that are not tensors ({odd[0]}); a trainer checkpoint has none: "
-                                      f"pass a step-N folder written by `trainer train`")
-            md.storage_meta = md.storage_meta or StorageMeta()
-            md.storage_meta.load_id = self.load_id
-            return md
+            if self.md is None:
+                try:
+                    with open(folder / ".metadata", "rb") as fh:
+                        md = _MetadataUnpickler(fh).load()
+                except Exception as e:  # noqa: BLE001 - every way a file fails to be metadata means the same here
+                    raise CheckpointError(f"{folder} is not a loadable trainer checkpoint ({one_line(e, 160)}); "
+                                          f"pass a step-N folder written by `trainer train`") from None
+                odd = [k for k, v in md.state_dict_metadata.items() if not isinstance(v, TensorStorageMetadata)]
+                if odd:
+                    raise CheckpointError(f"{folder} holds entries that are not tensors ({odd[0]}); a trainer checkpoint has none: "
+                                          f"pass a step-N folder written by `trainer train`")
+                md.storage_meta = md.storage_meta or StorageMeta()
+                self.md = md
+            self.md.storage_meta.load_id = self.load_id
+            return self.md
 
     return SafeReader(folder)
 
@@ -151,8 +156,6 @@ def write(tensors: dict, root: Path, step: int, keep: int, meta: dict, *, writer
     except BaseException as e:
         failure = files.os_error(e)
         if writer:
-            import shutil
-
             shutil.rmtree(tmp, ignore_errors=True)
         if failure is not None:  # a full, read-only or vanished volume: say so, do not crash-loop
             raise files.write_failed(root, step, failure, sum(t.numel() * t.element_size() for t in flat(tensors).values())) from None
@@ -197,20 +200,27 @@ def open_checkpoint(path: Path, verify: bool) -> tuple[Path, dict, dict | None]:
     return folder, meta, old
 
 
-def load_into(folder: Path, targets: dict[str, dict], group=None, old: dict | None = None) -> dict[str, dict]:
+def load_into(folder: Path, targets: dict[str, dict], about: dict, group=None, old: dict | None = None) -> dict[str, dict]:
     """Each part's saved state, by part: its tensors read in place into ``targets`` (the live
-    state dicts), merged with what meta.json holds. Keys the checkpoint lacks are left out (a
-    part's load decides). Under fsdp every rank calls with ``group``."""
+    state dicts), merged with what meta.json holds (``about``, as open_checkpoint gave it). Every
+    weight of the model must be there in its shape; other keys the checkpoint lacks are left out
+    (a part's load decides). Under fsdp every rank calls with ``group``."""
     if old is not None:
         return {k: old[k] for k in targets if old.get(k) is not None}
     import torch.distributed.checkpoint as dcp
 
-    rest = files.read_meta(folder).get("state", {})
-    have = set(saved_tensors(folder))
-    wanted = {k: _only(split(t)[0], have, f"{k}.") for k, t in targets.items() if k in rest}
+    reader = _reader(folder)  # reads .metadata once, here and for dcp.load
+    have = reader.read_metadata().state_dict_metadata
+    for key, t in flat(targets.get("model", {}), "model.").items():
+        found = have.get(key)
+        if found is None or tuple(found.size) != tuple(t.shape):
+            what = "missing" if found is None else f"{tuple(found.size)} saved, {tuple(t.shape)} here"
+            raise CheckpointError(f"checkpoint {folder} does not fit model {about.get('model')} ({key[6:]}: {what}); use a checkpoint of this model")
+    rest = about.get("state", {})
+    wanted = {k: _only(split(t)[0], set(have), f"{k}.") for k, t in targets.items() if k in rest}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(wanted, storage_reader=_reader(folder), process_group=group, no_dist=group is None)
+        dcp.load(wanted, storage_reader=reader, process_group=group, no_dist=group is None)
     return {k: merge(wanted[k], rest[k]) for k in wanted}
 
 
