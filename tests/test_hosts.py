@@ -320,12 +320,13 @@ def lose_rank0(bed: Bed, run: dict[str, Proc], epochs: int) -> tuple[str, list[s
     return rank0, others, t_loss, leader.when(rf"epoch \d+/{epochs} step \d+/", after=t_formed) - t_loss
 
 
-def survivors_name_the_loss(run: dict[str, Proc], others: list[str], rank0: str) -> None:
+def survivors_name_the_loss(run: dict[str, Proc], others: list[str], rank0: str) -> int:
     """Every survivor says which rank it lost, and one names rank 0 on its host. Under CI's load the
     other may name the other survivor, whose worker left first without a note (the peer of its
-    broken connection)."""
-    said = [re.search(r"lost rank (\d+) \((\S+)\) at step \d+", run[h].out) for h in others]
-    assert all(said) and any(m.groups() == ("0", rank0) for m in said), [run[h].out[-3000:] for h in others]
+    broken connection). Returns the step at which rank 0 was lost, as that survivor said."""
+    said = [re.search(r"lost rank (\d+) \((\S+)\) at step (\d+)", run[h].out) for h in others]
+    assert all(said) and any(m.groups()[:2] == ("0", rank0) for m in said), [run[h].out[-3000:] for h in others]
+    return next(int(m.group(3)) for m in said if m.groups()[:2] == ("0", rank0))
 
 
 def rejoin(run: dict[str, Proc], host: str, start, epochs: int) -> float:
@@ -363,7 +364,7 @@ def test_an_elastic_job_goes_on_without_the_host_of_rank_0_and_grows_back_when_i
         assert went_on < 45
         for h in others:
             assert re.search(rf"torchrun: the group re-formed with 2 node\(s\) \(.*; {rank0} left\)", run[h].out), run[h].out[-3000:]
-        survivors_name_the_loss(run, others, rank0)
+        lost_at = survivors_name_the_loss(run, others, rank0)  # the one that said it may be cut off later: its output goes
         time.sleep(3)  # duration: the host stays away
         back_s = rejoin(run, rank0, lambda: node(bed, rank0, ckpt, "el", *ELASTIC, nnodes="2:3", endpoint="rdzv"), 50)
         print(f"elastic 2:3: {rank0} back -> training at world size 3 {back_s:.1f} s after its launch")
@@ -389,7 +390,6 @@ def test_an_elastic_job_goes_on_without_the_host_of_rank_0_and_grows_back_when_i
     grown = int(re.search(r"stopped by torchrun for a re-form of the group at step (\d+)", out).group(1))
     sizes = [(r["world_size"], r["step"]) for r in starts(ckpt)]
     assert [w for w, _ in sizes] == [3, 2, 3, 2] and sizes[2][1] == grown, sizes  # the grow resumed the step it stopped at
-    lost_at = int(re.search(r"lost rank 0 \(\S+\) at step (\d+)", out).group(1))
     # the newest save before the loss: every 8 steps and at each epoch's end (10 steps of 48 images)
     assert lost_at - 8 < sizes[1][1] <= lost_at and (sizes[1][1] % 8 == 0 or sizes[1][1] % 10 == 0), (lost_at, sizes)
     assert newest(ckpt).name == "step-500"
