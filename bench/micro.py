@@ -1,9 +1,10 @@
-"""Ceilings measured on the machine itself: bf16 matrix-product rate, all-reduce bandwidth, and the
-checkpoint stall of an asynchronous save against a synchronous one in the same run.
+"""Ceilings measured on the machine itself: bf16 matrix-product rate, all-reduce bandwidth, the
+checkpoint stall of an asynchronous save against a synchronous one in the same run, and a restore.
 
     python -m bench.micro matmul
     torchrun --nproc-per-node 2 -m bench.micro allreduce
     python -m bench.micro stall key=value...        # seednet by default
+    python -m bench.micro restore CONFIG key=value... # a restore's seconds and where they go
     python -m bench.micro augment                   # the input pipeline's GPU time
 """
 
@@ -65,9 +66,10 @@ def allreduce() -> None:
     dist.destroy_process_group()
 
 
-def stall(args: list[str]) -> None:
-    """Seconds that training stands still for an async save and for a sync save of the same state.
-    ``args``: a config file first (default configs/seed.yaml), then overrides."""
+def started(args: list[str], name: str):
+    """A run of ``args`` (a config file first, default configs/seed.yaml, then overrides) on
+    synthetic data, started (warmed up) with its checkpoints in a fresh folder: (config, run,
+    trainer, config file)."""
     from trainer.config_loader import load_config
     from trainer.worker.loop import Trainer
     from trainer.worker.run import build
@@ -75,13 +77,26 @@ def stall(args: list[str]) -> None:
 
     config = args[0] if args and args[0].endswith(".yaml") else "configs/seed.yaml"
     overrides = args[1:] if args and args[0].endswith(".yaml") else args
-    folder = tempfile.mkdtemp(prefix="stall-", dir=os.environ.get("BENCH_TMP"))
+    folder = tempfile.mkdtemp(prefix=f"{name}-", dir=os.environ.get("BENCH_TMP"))
     cfg = load_config(config, ["data.name=synthetic", "data.synthetic_train_size=4096",
                                "checkpoint.every_epochs=0", f"checkpoint.dir={folder}",
                                "checkpoint.async_save=true", "train.plot=false", *overrides])
     run = build(cfg, setup(cfg))
     trainer = Trainer(run)
     trainer.start()
+    return cfg, run, trainer, config
+
+
+def newest_bytes(root: Path) -> tuple[Path, int]:
+    """The newest step-N folder (any checkpoint format) and the bytes of its files."""
+    newest = max(root.glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    return newest, sum(f.stat().st_size for f in newest.iterdir() if f.is_file())
+
+
+def stall(args: list[str]) -> None:
+    """Seconds that training stands still for an async save and for a sync save of the same state
+    (the sync save waits for the async one first). ``args``: a config file, then overrides."""
+    cfg, run, trainer, config = started(args, "stall")
     batches = run.loader.epoch(0)
 
     def steps(n: int) -> float:
@@ -103,12 +118,41 @@ def stall(args: list[str]) -> None:
     t0 = time.perf_counter()
     trainer.save(sync=True)
     sync_stall = time.perf_counter() - t0
-    # what a save writes: the newest step-N folder's files (any checkpoint format)
-    newest = max(Path(cfg.checkpoint.dir).glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
-    state_bytes = sum(f.stat().st_size for f in newest.iterdir() if f.is_file())
+    _, state_bytes = newest_bytes(Path(cfg.checkpoint.dir))  # what a save writes
     emit({"run": "checkpoint-stall", "config": config, "model": cfg.model.name, "state_GB": state_bytes / 1e9,
           "async_stall_s": async_stall, "sync_stall_s": sync_stall, "step_ms": base * 1e3,
           "step_ms_during_write": during * 1e3})
+
+
+def restore(args: list[str], reps: int = 3) -> None:
+    """Seconds of a restore (the checkpoint into the live run: what a resumed start spends in its
+    ``restore`` phase), ``reps`` times from one checkpoint of two steps in a page-cached folder;
+    the last one's 20 costliest calls (cProfile, cumulative) go to stdout. Runs on the CPU too.
+    ``args``: a config file, then overrides."""
+    import cProfile
+    import pstats
+
+    cfg, run, trainer, config = started(args, "restore")
+    batches = run.loader.epoch(0)
+    for _ in range(2):
+        x, y, _ = next(batches)
+        trainer.train_step(x, y)
+        run.state.step += 1
+    trainer.save(sync=True)
+    path, state_bytes = newest_bytes(Path(cfg.checkpoint.dir))
+    sync = torch.cuda.synchronize if run.rt.cuda else (lambda: None)
+    seconds = []
+    for _ in range(reps):
+        profile = cProfile.Profile()
+        sync()
+        t0 = time.perf_counter()
+        with profile:
+            run.checkpointer.restore(path)
+            sync()
+        seconds.append(time.perf_counter() - t0)
+    pstats.Stats(profile, stream=sys.stdout).sort_stats("cumulative").print_stats(20)
+    emit({"run": "checkpoint-restore", "config": config, "model": cfg.model.name, "state_GB": state_bytes / 1e9,
+          "restore_s": [round(s, 4) for s in seconds]})
 
 
 def augment() -> None:
@@ -131,4 +175,5 @@ def augment() -> None:
 
 if __name__ == "__main__":
     what = sys.argv[1]
-    {"matmul": matmul, "allreduce": allreduce, "stall": lambda: stall(sys.argv[2:]), "augment": augment}[what]()
+    {"matmul": matmul, "allreduce": allreduce, "stall": lambda: stall(sys.argv[2:]), "restore": lambda: restore(sys.argv[2:]),
+     "augment": augment}[what]()

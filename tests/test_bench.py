@@ -3,12 +3,14 @@
 import json
 import os
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 from bench.run import evict_page_cache, node_files, read_jsonl, table
 
-RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
 
 
 def stored_rows() -> list[tuple[str, list[dict]]]:
@@ -78,3 +80,16 @@ def test_the_data_suites_sets_sixteen_times_the_images_over_the_same_shards(tmp_
     one, big = ShardSet(tmp_path / "sh", "train"), ShardSet(tmp_path / "x16", "train")
     assert len(big) == 16 * len(one) == 480
     assert big[7][:2] == one[7][:2] and big[30 * 15 + 7][:2] == one[7][:2]
+
+
+def test_the_restore_case_times_a_restore_and_shows_where_it_went(tmp_path):
+    """bench.micro restore on the CPU: a checkpoint of two steps restored three times into the
+    live run, each time timed, and the profile of the last printed."""
+    out = tmp_path / "results.jsonl"
+    p = subprocess.run([sys.executable, "-m", "bench.micro", "restore", "configs/seed.yaml", "model.name=tinynet", "train.batch_size=32"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "BENCH_OUT": str(out), "BENCH_TMP": str(tmp_path)})
+    assert p.returncode == 0, p.stderr[-3000:]
+    (row,) = read_jsonl(out)
+    assert row["run"] == "checkpoint-restore" and row["model"] == "tinynet" and row["state_GB"] > 0
+    assert len(row["restore_s"]) == 3 and all(s > 0 for s in row["restore_s"])
+    assert "checkpointer.py" in p.stdout and "(restore)" in p.stdout  # the profile names the restore's own calls
