@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -150,6 +151,7 @@ def restore(args: list[str], reps: int = 3) -> None:
             run.checkpointer.restore(path)
             sync()
         seconds.append(time.perf_counter() - t0)
+    shutil.rmtree(cfg.checkpoint.dir, ignore_errors=True)
     pstats.Stats(profile, stream=sys.stdout).sort_stats("cumulative").print_stats(20)
     emit({"run": "checkpoint-restore", "config": config, "model": cfg.model.name, "state_GB": state_bytes / 1e9,
           "restore_s": [round(s, 4) for s in seconds]})
