@@ -36,7 +36,8 @@ class WithLoss(nn.Module):
 def wrap(model: nn.Module, criterion: nn.Module, cfg: Config, rt: Runtime, compile_model: bool, bf16: bool, extras: Extras,
          mode: str = "default") -> nn.Module:
     """The module that training calls, ``net(images, labels) -> loss``; ``model`` itself stays
-    usable for evaluation."""
+    usable for evaluation. The extras' part before the wrap comes first (bf16 weights' masters)."""
+    extras.before_wrap(model)
     if rt.strategy == "dp":
         # DataParallel copies the module to every GPU on every forward, from one process: the GIL
         # and the copies are why the article found it slow. Kept for comparison; never compiled.

@@ -133,13 +133,11 @@ def build(cfg: Config, rt: Runtime, started_at: float | None = None) -> Run:
     clock.mark("model")
     cache, cache_key = use_compile_cache(cfg, rt, fast, clock)  # before anything compiles
     extras = Extras(cfg, fast.compile, fast.bf16_weights)  # the speed recipes' pieces: none unless asked for
-    extras.before_wrap(model)
     net = parallel.wrap(model, nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing), cfg, rt, fast.compile, fast.bf16, extras,
                         fast.compile_mode)
     clock.mark("wrap")
     optimizer = build_optimizer(model, cfg, rt.cuda, sharded=rt.strategy == "fsdp")
-    total = steps_per_epoch * cfg.train.epochs
-    total = min(total, cfg.train.max_steps) if cfg.train.max_steps else total
+    total = step_count(cfg, steps_per_epoch)
     schedule = build_schedule(optimizer, cfg, total, steps_per_epoch)
     extras.after_optimizer(model, optimizer)
     clock.mark("optimizer")  # the first optimizer imports torch._dynamo (seconds), which compiling needs anyway
@@ -158,6 +156,12 @@ def build(cfg: Config, rt: Runtime, started_at: float | None = None) -> Run:
         resumed_from=resumed_from, started_at=clock.started_at, compile_cache=cache, compile_key=cache_key,
         startup=clock, watchdog=Watchdog(cfg.dist.hang_timeout_s, ckpt.root, rt.rank, cfg.dist.timeout_s, rt.world_size if rt.collectives else 1),
     )
+
+
+def step_count(cfg: Config, steps_per_epoch: int) -> int:
+    """The run's steps: every epoch's, or train.max_steps where that is fewer."""
+    total = steps_per_epoch * cfg.train.epochs
+    return min(total, cfg.train.max_steps) if cfg.train.max_steps else total
 
 
 def set_numerics(cfg: Config) -> None:
