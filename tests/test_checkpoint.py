@@ -294,14 +294,14 @@ def test_metadata_that_pickles_enum_members_by_name_loads_and_getattr_reaches_no
         def reducer_override(self, obj):
             return (getattr, (type(obj), obj.name)) if isinstance(obj, enum.Enum) else NotImplemented
 
-    md = store.saved_tensors(folder)  # read as this Python wrote it
-    full = store._reader(folder).read_metadata()
+    full = store._reader(folder).read_metadata()  # read as this Python wrote it
+    md = set(full.state_dict_metadata)
     buf = io.BytesIO()
     ByName(buf).dump(full)
     assert b"getattr" in buf.getvalue()
     (folder / ".metadata").write_bytes(buf.getvalue())
     reseal(folder)
-    assert set(store.saved_tensors(folder)) == set(md) and torch.equal(store.read(folder)["model"]["w"], state(3)["model"]["w"])
+    assert set(store._reader(folder).read_metadata().state_dict_metadata) == md and torch.equal(store.read(folder)["model"]["w"], state(3)["model"]["w"])
     # getattr(torch.Size, "__subclasses__")(): the first step to every class in the process
     (folder / ".metadata").write_bytes(b"cbuiltins\ngetattr\n(ctorch\nSize\nV__subclasses__\ntR(tR.")
     reseal(folder)

@@ -132,11 +132,6 @@ def _reader(folder: Path):
     return SafeReader(folder)
 
 
-def saved_tensors(folder: Path) -> dict:
-    """DCP's metadata of each saved tensor, by key."""
-    return _reader(folder).read_metadata().state_dict_metadata
-
-
 # --------------------------------------------------------------------------------------------
 # Writing and reading.
 
@@ -232,12 +227,13 @@ def read(folder: Path, parts: tuple[str, ...] | None = None) -> dict:
         return {k: v for k, v in old.items() if parts is None or k in parts}
     import torch.distributed.checkpoint as dcp
 
-    md = _reader(folder).read_metadata()
+    reader = _reader(folder)  # reads .metadata once, here and for dcp.load
+    md = reader.read_metadata()
     paths = md.planner_data  # DCP's key -> the nested path it came from
     tensors = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.state_dict_metadata.items() if parts is None or paths[k][0] in parts}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(tensors, storage_reader=_reader(folder), no_dist=True)
+        dcp.load(tensors, storage_reader=reader, no_dist=True)
     nested: dict = {}
     for key, t in tensors.items():
         *outer, last = paths[key]
