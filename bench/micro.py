@@ -135,7 +135,7 @@ def restore(args: list[str], reps: int = 3) -> None:
 
     cfg, run, trainer, config = started(args, "restore")
     batches = run.loader.epoch(0)
-    for _ in range(2):
+    for _step in range(2):  # a step or two, so that the optimizer's state exists
         x, y, _ = next(batches)
         trainer.train_step(x, y)
         run.state.step += 1
