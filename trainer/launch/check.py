@@ -16,13 +16,12 @@ from trainer.worker.checkpoint.parts import state_bytes
 
 def preflight(cfg: Config) -> None:
     """The checks a launcher can make once, before torchrun starts any worker: CUDA where asked
-    for, a writable checkpoint folder, a resume path that exists and fits (its model and global
-    batch), a data folder that holds data, room for keep + 1 checkpoints, no other run holding the
-    folder. Raises ConfigError (exit 2); writes nothing but the folder itself and its lock file."""
+    for, a resume path that exists and fits (its model and global batch), a data folder that holds
+    data the model can take; then this machine's part: a writable checkpoint folder with room for
+    keep + 1 checkpoints, no other run holding it. The input comes first, so its error is the same
+    on every machine. Raises ConfigError (exit 2); writes nothing but the folder and its lock file."""
     check_devices(cfg, torch.cuda.is_available())
     root = Path(cfg.checkpoint.dir)
-    checkpoint.probe(root, state_bytes(cfg), cfg.checkpoint.keep)
-    FolderLock(root).check()  # another live run writes there: exit 2 now, naming it
     folder = checkpoint.explicit_resume(root, cfg.checkpoint.resume)
     if cfg.checkpoint.resume == "auto":
         folder = checkpoint.newest_complete(root)
@@ -49,3 +48,5 @@ def preflight(cfg: Config) -> None:
             data.check_archive(data.find_source(Path(d.dir), split))
     elif d.name == "cifar10" and not d.download and not (Path(d.dir) / "cifar-10-batches-py").is_dir():
         raise ConfigError(f"CIFAR-10 is not in data.dir={d.dir} and data.download=false; set data.download=true or point data.dir at it")
+    checkpoint.probe(root, state_bytes(cfg), cfg.checkpoint.keep)
+    FolderLock(root).check()  # another live run writes there: exit 2 now, naming it
