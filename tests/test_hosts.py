@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY, env, made_once, newest, weights
+from conftest import ROOT, TINY, env, made_once, newest, slow_steps, weights
 from hosts import Bed
 
 from trainer.contract import EXIT_PREEMPTED
@@ -409,7 +409,10 @@ def test_with_etcd_the_loss_of_rank_0s_host_is_survived_like_any_other_and_the_g
     have ended the job); the host returns and the group grows back to 3; the job finishes."""
     from test_launchers import local_command
 
-    job = PyTorchJob(tmp_path, *TINY, *ELASTIC, "train.epochs=30", folder="elastic-etcd", pods=3)
+    # Steps of at least 0.4 s: the 270-odd steps left after the loss outlast the returning pod's
+    # launch and re-form (rejoin allows it 90 s), whatever the machine's speed. Without a floor, a
+    # loaded CI machine once saw the two survivors finish before the pod got back in.
+    job = PyTorchJob(tmp_path, *TINY, *ELASTIC, "train.epochs=30", folder="elastic-etcd", pods=3, environ=slow_steps(0.4))
     deployment = next(d for d in job.docs if d["kind"] == "Deployment")
     service = next(d for d in job.docs if d["kind"] == "Service")
     etcd_pod = service["metadata"]["name"]
@@ -447,7 +450,8 @@ class PyTorchJob:
     the injected environment, init containers, then the pytorch container's command, each pod a host
     of the bed named as the pod (the Service name resolves there)."""
 
-    def __init__(self, tmp_path: Path, *overrides: str, folder: str = "multi-node", pods: int | None = None):
+    def __init__(self, tmp_path: Path, *overrides: str, folder: str = "multi-node", pods: int | None = None,
+                 environ: dict[str, str] | None = None):
         from test_launchers import admit, manifests
 
         self.docs = manifests(folder)
@@ -464,6 +468,7 @@ class PyTorchJob:
         self.pods = {f"{self.name}-{role.lower()}-{i}": (role, i) for role, spec in self.specs.items() for i in range(spec.get("replicas", 1))}
         self.master, self.worker = f"{self.name}-master-0", f"{self.name}-worker-0"
         self.extra = ["checkpoint.every_steps=8", "checkpoint.keep=50", "dist.hang_timeout_s=10", *overrides]
+        self.environ = environ or {}
 
     def start(self, bed: Bed, pod: str) -> Proc:
         from test_launchers import TINY_JOB, local_command, operator_env
@@ -475,7 +480,7 @@ class PyTorchJob:
         for init in template.get("initContainers", []):
             assert bed.run(pod, local_command(init, variables, self.paths, TINY_JOB), env=pod_env, cwd=ROOT, timeout=120).returncode == 0
         c = next(c for c in template["containers"] if c["name"] == "pytorch")
-        pod_env.update({e["name"]: e["value"] for e in c.get("env", [])})
+        pod_env.update({**{e["name"]: e["value"] for e in c.get("env", [])}, **self.environ})
         return Proc(bed, pod, local_command(c, variables, self.paths, [*TINY_JOB, *self.extra]), pod_env)
 
 
