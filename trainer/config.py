@@ -34,6 +34,17 @@ class ModelConfig:
     torchvision classification model by name (resnet50, convnext_tiny, vit_b_16, ...; untrained,
     built with the data's classes: `trainer models` lists them; torchvision.resnet18 is torchvision's
     ResNet-18, with the ImageNet stem). seednet and tinynet take 32 px only."""
+    weights: str = ""
+    """Start from pretrained weights ("" = random): a torchvision weights name of model.name (DEFAULT,
+    IMAGENET1K_V2, ...: `trainer models` lists each model's; read from $TORCH_HOME/hub/checkpoints,
+    downloaded there once per machine where there is a network), or a file: a .pth/.pt state dict,
+    a .safetensors file, a step-N folder or run folder of this trainer. The classifier head is
+    rebuilt for the data's classes; every other tensor must fit. Images are normalised as the
+    weights were trained. A resumed run takes its weights from its checkpoint."""
+    freeze_epochs: int = 0
+    """With model.weights: the first N epochs train the new head alone (the pretrained layers'
+    learning rate is 0; backward still runs through them, so the compiled step and DDP's buckets
+    stay the same across the boundary)."""
     compile: bool | None = None
     """torch.compile the model (auto: on for CUDA). Costs tens of seconds before the first step."""
     compile_mode: Literal["auto", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "auto"
@@ -141,6 +152,9 @@ class OptimConfig:
     impl: Literal["auto", "fused", "foreach", "loop"] = "auto"
     """Optimizer kernels: fused (one kernel, CUDA), foreach (batched) or a plain loop (auto: fused
     on CUDA, foreach on the CPU)."""
+    backbone_lr_scale: float = 1.0
+    """With model.weights: learning-rate multiplier for the pretrained layers (the new head learns
+    at optim.lr). Fine-tuning uses 0.1 or so: the pretrained features move less than the head."""
     lookahead_every: int = 0
     """Lookahead: every N steps pull the weights towards a slow copy (0 = off)."""
 
@@ -268,7 +282,7 @@ class ProfileConfig:
 POSITIVE = ("train.epochs train.batch_size train.log_every train.eval_every optim.lr data.eval_batch_size dist.timeout_s dist.bucket_mb "
             "checkpoint.keep data.synthetic_train_size data.synthetic_test_size").split()
 NON_NEGATIVE = ("train.max_steps optim.weight_decay optim.momentum optim.warmup_epochs optim.final_lr_fraction optim.warmup_start "
-                "optim.label_smoothing optim.bias_lr_scale optim.lookahead_every data.train_subset data.test_subset data.crop_padding "
+                "optim.label_smoothing optim.bias_lr_scale optim.backbone_lr_scale model.freeze_epochs optim.lookahead_every data.train_subset data.test_subset data.crop_padding "
                 "data.num_workers data.stream_workers data.image_size data.max_bad_images checkpoint.every_epochs checkpoint.every_steps train.seed profile.steps profile.skip dist.hang_timeout_s").split()
 
 
@@ -301,6 +315,8 @@ class Config:
             raise ConfigError(f"optim.label_smoothing={self.optim.label_smoothing} must be below 1")
         if not self.checkpoint.dir:
             raise ConfigError("checkpoint.dir must not be empty")
+        if self.model.freeze_epochs and not self.model.weights:
+            raise ConfigError("model.freeze_epochs needs model.weights (a pretrained start to freeze); set model.weights or model.freeze_epochs=0")
         if problem := model_name_problem(self.model.name):
             raise ConfigError(problem)
         if problem := self.combination_problem():

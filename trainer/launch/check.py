@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from trainer.config import Config, ConfigError, check_devices
-from trainer.worker import data, models
+from trainer.worker import data, models, pretrained
 from trainer.worker.checkpoint import folder as checkpoint
 from trainer.worker.checkpoint.lock import FolderLock
 from trainer.worker.checkpoint.parts import state_bytes
@@ -17,7 +17,7 @@ from trainer.worker.checkpoint.parts import state_bytes
 def preflight(cfg: Config) -> None:
     """The checks a launcher can make once, before torchrun starts any worker: CUDA where asked
     for, a resume path that exists and fits (its model and global batch), a data folder that holds
-    data the model can take; then this machine's part: a writable checkpoint folder with room for
+    data the model can take, pretrained weights that are here (or downloaded) and fit the model; then this machine's part: a writable checkpoint folder with room for
     keep + 1 checkpoints, no other run holding it. The input comes first, so its error is the same
     on every machine. Raises ConfigError (exit 2); writes nothing but the folder and its lock file."""
     check_devices(cfg, torch.cuda.is_available())
@@ -41,6 +41,8 @@ def preflight(cfg: Config) -> None:
         size = data.resolve_image_size(cfg)[0]
         if problem := models.input_problem(cfg.model.name, size):
             raise ConfigError(problem)
+        if folder is None:  # a fresh start: the pretrained weights exist (fetched where they can be) and fit
+            pretrained.check(cfg.model.name, cfg.model.weights, size)
     if d.name == "imagefolder":
         if not Path(d.dir).is_dir():
             raise ConfigError(f"data.dir={d.dir} does not exist; create it or point data.dir at the data set")

@@ -1,4 +1,4 @@
-"""``trainer``: train, eval, config, check, data, launch, bench.
+"""``trainer``: train, eval, predict, export, config, check, data, launch, bench.
 
 The one training command, the same under every launcher::
 
@@ -157,6 +157,44 @@ def eval_cmd(checkpoint_path, config_file, overrides):
 
 
 @main.command()
+@click.argument("source")
+@click.argument("images", nargs=-1, required=True)
+@click.option("--top-k", default=5, show_default=True, help="Classes shown per image.")
+@click.option("--out", metavar="FILE", help="Also write the predictions: JSON lines (.jsonl) or CSV (.csv), by the suffix.")
+@click.option("--batch-size", default=256, show_default=True, help="Images per batch.")
+@click.option("--quiet", "-q", is_flag=True, help="No table; the summary line only (with --out).")
+@usage_errors
+def predict(source, images, top_k, out, batch_size, quiet):
+    """The top-k classes of IMAGES (files, folders, a shards folder) by SOURCE: a step-N folder, a
+    run folder (its newest complete checkpoint) or a file of trainer export. On the GPU where there
+    is one. Unreadable files are named, skipped and counted."""
+    from trainer.worker.predict import run
+
+    done, skipped, model = run(source, list(images), top_k, out, batch_size, quiet)
+    click.echo(f"{done} image(s) predicted by {model.source} ({model.name}, {len(model.classes)} classes)"
+               + (f", {skipped} skipped (unreadable)" if skipped else "") + (f"; written to {out}" if out else ""), err=True)
+
+
+@main.command()
+@click.argument("source")
+@click.option("--format", "fmt", type=click.Choice(["onnx", "pt2", "safetensors"]), required=True, help="What to write.")
+@click.option("--out", metavar="FILE", help="The file to write (default: SOURCE's name with the format's suffix, here).")
+@usage_errors
+def export(source, fmt, out):
+    """Write SOURCE (a step-N folder or a run folder) as one file to serve without this project:
+    ONNX or .pt2 (a dynamic batch) or safetensors (+ JSON), with the classes, image size and
+    normalisation inside; checked against PyTorch's logits after writing (a mismatch: exit 1)."""
+    from trainer.worker.export import ExportMismatch
+    from trainer.worker.export import export as write
+
+    try:
+        write(source, fmt, out, say=lambda line: click.echo(line, err=True))
+    except ExportMismatch as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(EXIT_CRASH)
+
+
+@main.command()
 @click.option("--explain", "show_keys", is_flag=True, help="List every key with its type, default and meaning.")
 @config_options
 def config(show_keys, config_file, overrides):
@@ -210,11 +248,16 @@ def data(shards_out, max_side, config_file, overrides):
 
 @main.command()
 def models():
-    """The models model.name takes: this project's CIFAR networks, then torchvision's."""
+    """The models model.name takes: this project's CIFAR networks, then torchvision's with the
+    weights names model.weights takes."""
     from trainer.config import CIFAR_MODELS, torchvision_names
 
     click.echo("this project's (32 px; airnet and resnet18 any size): " + ", ".join(CIFAR_MODELS))
-    click.echo("torchvision's (untrained, any data.image_size they take; torchvision.resnet18 for its ResNet-18): " + ", ".join(torchvision_names()))
+    click.echo("torchvision's (any data.image_size they take; torchvision.resnet18 for its ResNet-18), each with its model.weights names:")
+    import torchvision.models as tvm
+
+    for name in torchvision_names():
+        click.echo(f"  {name}: " + ", ".join(tvm.get_model_weights(name).__members__))
 
 
 @main.command(context_settings={"ignore_unknown_options": True})

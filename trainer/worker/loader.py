@@ -84,7 +84,8 @@ class Augment:
     instead of per step), the host loader one step at a time, and both give the same batches.
     """
 
-    def __init__(self, cfg: Config, rt: Runtime, channels_last: bool, per_rank_batch: int = 0, steps_per_epoch: int = 0):
+    def __init__(self, cfg: Config, rt: Runtime, channels_last: bool, per_rank_batch: int = 0, steps_per_epoch: int = 0,
+                 norm: tuple | None = None):
         self.pad, self.flip, self.seed = cfg.data.crop_padding, cfg.data.flip, cfg.train.seed
         self.reflect = cfg.data.crop_mode == "reflect"
         self.alternate = cfg.data.flip_mode == "alternate"
@@ -92,7 +93,8 @@ class Augment:
         self.b, self.steps = per_rank_batch, steps_per_epoch
         self.size = cfg.data.image_size or 32
         self.resized = not small(self.size)
-        mean, std = norm_stats(self.size)
+        mean, std = norm or norm_stats(self.size)  # a pretrained start's own (trainer/worker/pretrained.py)
+        self.norm = (tuple(mean), tuple(std))
         self.mean = torch.tensor(mean, device=rt.device).view(1, 3, 1, 1) * 255
         self.inv_std = 1 / (torch.tensor(std, device=rt.device).view(1, 3, 1, 1) * 255)
         self._drawn: tuple[int, torch.Tensor, torch.Tensor] | None = None

@@ -78,7 +78,8 @@ class Trainer:
         where = f"resuming from {r.resumed_from} (epoch {self.state.epoch}, step {self.state.step})" if r.resumed_from else "starting fresh"
         r.say.line(
             f"{self.cfg.model.name} | strategy {self.rt.strategy} x{shown} on {self.rt.device.type} | "
-            f"{r.data_plan.describe(len(r.train_split), len(r.test_split), len(r.train_split.classes))} | {r.fast} | {where}"
+            f"{r.data_plan.describe(len(r.train_split), len(r.test_split), len(r.train_split.classes))} | {r.fast} | "
+            + (f"{r.weights} | " if r.weights else "") + where
         )
         r.metrics.write({"event": "start", "strategy": self.rt.strategy, "world_size": self.rt.world_size, "step": self.state.step,
                      "resumed_from": str(r.resumed_from) if r.resumed_from else None, "fast": str(r.fast)})

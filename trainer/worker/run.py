@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from trainer.config import Config, ConfigError
-from trainer.worker import compile_cache, data, models, parallel
+from trainer.worker import compile_cache, data, models, parallel, pretrained
 from trainer.worker.checkpoint.checkpointer import Checkpointer
 from trainer.worker.checkpoint.parts import ModelPart, OptimizerPart, TrainState
 from trainer.worker.loader import Augment, make_train_loader
@@ -112,6 +112,8 @@ class Run:
     compile_cache: str = "off"
     """What the start-up found in checkpoint.dir/compile-cache: off, none, damaged or 'warm (N files)'."""
     compile_key: str = ""
+    weights: str = ""
+    """What the start line says of a pretrained start ("" for none, or a resumed run)."""
     hosts: list = field(default_factory=list)
     """Each rank's host name and addresses (dist.gather_hosts): a lost peer or a straggler is named by its host."""
 
@@ -128,15 +130,19 @@ def build(cfg: Config, rt: Runtime, started_at: float | None = None) -> Run:
     fast = replace(fast, device_resident=fast.device_resident and not plan.stream)  # streamed: nothing resident (the start line says so)
     ckpt.classes = train_split.classes
     clock.mark("data")
-    augment = Augment(cfg, rt, fast.channels_last, rt.per_rank_batch(cfg.train.batch_size), steps_per_epoch)
-    model = build_model(cfg, rt, fast, augment, train_split, fresh=resumed_from is None)
+    weights = pretrained.resolve(cfg.model.name, cfg.model.weights) if resumed_from is None else None
+    norm = normalization(cfg, resumed_from, weights)
+    ckpt.normalize = {"mean": list(norm[0]), "std": list(norm[1])}
+    augment = Augment(cfg, rt, fast.channels_last, rt.per_rank_batch(cfg.train.batch_size), steps_per_epoch, norm)
+    model = build_model(cfg, rt, fast, augment, train_split, fresh=resumed_from is None, weights=weights)
     clock.mark("model")
     cache, cache_key = use_compile_cache(cfg, rt, fast, clock)  # before anything compiles
     extras = Extras(cfg, fast.compile, fast.bf16_weights)  # the speed recipes' pieces: none unless asked for
     net = parallel.wrap(model, nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing), cfg, rt, fast.compile, fast.bf16, extras,
                         fast.compile_mode)
     clock.mark("wrap")
-    optimizer = build_optimizer(model, cfg, rt.cuda, sharded=rt.strategy == "fsdp")
+    head = pretrained.head_keys(cfg.model.name, cfg.data.image_size) if cfg.model.weights else None
+    optimizer = build_optimizer(model, cfg, rt.cuda, sharded=rt.strategy == "fsdp", head=head)
     total = step_count(cfg, steps_per_epoch)
     schedule = build_schedule(optimizer, cfg, total, steps_per_epoch)
     extras.after_optimizer(model, optimizer)
@@ -154,7 +160,7 @@ def build(cfg: Config, rt: Runtime, started_at: float | None = None) -> Run:
         steps_per_epoch=steps_per_epoch, total_steps=total, stop=StopFlag(rt), checkpointer=ckpt,
         metrics=RunLog(ckpt.root, rt, cfg.train.tensorboard, state.step if resumed_from else None), say=say,
         resumed_from=resumed_from, started_at=clock.started_at, compile_cache=cache, compile_key=cache_key,
-        startup=clock, watchdog=Watchdog(cfg.dist.hang_timeout_s, ckpt.root, rt.rank, cfg.dist.timeout_s, rt.world_size if rt.collectives else 1),
+        weights=weights.describe() if weights else "", startup=clock, watchdog=Watchdog(cfg.dist.hang_timeout_s, ckpt.root, rt.rank, cfg.dist.timeout_s, rt.world_size if rt.collectives else 1),
     )
 
 
@@ -222,13 +228,27 @@ def load_data(cfg: Config, rt: Runtime, fast: Fast) -> tuple[Any, Any, int, data
     return train_split, test_split, steps_per_epoch, plan
 
 
-def build_model(cfg: Config, rt: Runtime, fast: Fast, augment: Augment, train_split: data.Split, fresh: bool = True) -> nn.Module:
+def normalization(cfg: Config, resumed_from: Path | None, weights: pretrained.Weights | None) -> tuple:
+    """The mean and std the images are normalised by: a resumed run's own (its checkpoint says),
+    else the pretrained weights', else the image size's defaults."""
+    if resumed_from is not None:
+        from trainer.worker.checkpoint import folder as files
+
+        return pretrained.normalization_of(files.read_meta(resumed_from))
+    return (weights.mean, weights.std) if weights else data.norm_stats(cfg.data.image_size)
+
+
+def build_model(cfg: Config, rt: Runtime, fast: Fast, augment: Augment, train_split: data.Split, fresh: bool = True,
+                weights: pretrained.Weights | None = None) -> nn.Module:
     """The model, initialised on its device (seconds less for seednet's 604 M weights on a GPU) and
-    in its memory format; the same initial weights on every rank. A checkpoint's weights replace
-    them later, in place."""
+    in its memory format; the same initial weights on every rank (a pretrained start's, every tensor
+    but the new head's). A checkpoint's weights replace them later, in place."""
     torch.manual_seed(cfg.train.seed)
     with torch.device(rt.device):
         model = models.build(cfg.model.name, len(train_split.classes), cfg.data.image_size)
+    if weights is not None and fresh:
+        pretrained.load_into(model, weights, cfg.model.name, cfg.data.image_size)
+        fresh = False  # airnet's whitening came with the weights
     # Weights computed from data (airnet's whitening: 1.4 s of a start on an H200 node, seconds on a
     # laptop's CPU) only for a fresh run: a resumed one's checkpoint overwrites them. It draws no
     # random numbers, so skipping it moves nothing else.

@@ -43,6 +43,8 @@ class Checkpointer:
         self.lock = FolderLock(self.root)
         self.classes: list[str] | None = None
         """The data's class names (saved; a resume on other classes is refused)."""
+        self.normalize: dict | None = None
+        """The mean and std the images are normalised by (saved: eval, predict and export use the same)."""
         self.group = None
         if sharded:  # a save's plan goes round on gloo: from the write thread, beside training's NCCL
             import torch.distributed as dist
@@ -96,7 +98,7 @@ class Checkpointer:
 
     def _state(self) -> tuple[dict, dict]:
         tensors, rest = store.split({k: p.state_dict() for k, p in self.parts.items()})
-        about = {"model": self.cfg.model.name, "classes": self.classes, "batch_size": self.cfg.train.batch_size,
+        about = {"model": self.cfg.model.name, "classes": self.classes, "normalize": self.normalize, "batch_size": self.cfg.train.batch_size,
                  "epoch": rest.get("train", {}).get("epoch"), "config": to_dict(self.cfg), "state": rest}
         return tensors, about
 
