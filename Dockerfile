@@ -7,6 +7,8 @@
 # build on PyPI, with its CUDA libraries as wheels; the host needs only the NVIDIA driver).
 FROM python:3.11-slim-bookworm
 
+# TORCH_HOME: pretrained weights (model.weights) are cached in the checkpoint volume, which every
+# node of a job sees, is writable and outlives the job: downloaded once, or put there by hand offline.
 # HOME is writable by any uid (a `user:` override or OpenShift's random uid has no passwd entry and
 # no home); trainer.launch.supervisor also points the compile caches somewhere writable when HOME is not.
 ENV PYTHONUNBUFFERED=1 \
@@ -14,7 +16,8 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     HOME=/home/trainer \
     NPROC_PER_NODE=auto \
-    MAX_RESTARTS=3
+    MAX_RESTARTS=3 \
+    TORCH_HOME=/checkpoints/.torch
 
 WORKDIR /app
 COPY pyproject.toml README.md constraints.txt ./

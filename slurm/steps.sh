@@ -14,6 +14,9 @@
 #                                 resubmitted or requeued job resumes (the job id would change)
 #   SHARED_DIR=$SLURM_SUBMIT_DIR  a file system every node sees; CKPT_ROOT=$SHARED_DIR/checkpoints
 #   DATA_DIR=$SHARED_DIR/data     the data set (CIFAR-10 is downloaded there once if missing)
+#   TORCH_HOME=$SHARED_DIR/torch  pretrained weights (model.weights) in hub/checkpoints: downloaded
+#                                 there once, or put there by hand where nodes have no network (in
+#                                 a container: .torch in the run's checkpoint folder, mounted there)
 #   NPROC_PER_NODE=<GPUs on node> processes per node (set it for CPU-only nodes)
 #   MAX_RESTARTS=3                torchrun restarts of the whole group after a failure
 #   MIN_NODES=$SLURM_NNODES       elastic: fewer nodes the job may go on with (--nnodes MIN_NODES:
@@ -82,6 +85,13 @@ if [ -n "${CONTAINER_IMAGE:-}" ]; then      # pyxis: the container goes on srun,
     container=(--container-image="$CONTAINER_IMAGE" --container-mounts="$ckpt_dir:/checkpoints,$DATA_DIR:/data")
     ckpt_dir=/checkpoints data_dir=/data
 fi
+# pretrained weights' cache (model.weights): a folder every node sees, that outlives the job
+if [ -n "${CONTAINER_IMAGE:-}${APPTAINER_IMAGE:-}" ]; then
+    TORCH_HOME=$ckpt_dir/.torch
+else
+    TORCH_HOME=${TORCH_HOME:-$SHARED_DIR/torch}
+fi
+export TORCH_HOME
 
 # Each node runs this: torchrun with c10d rendezvous on the first node, the job id as rendezvous id,
 # through `trainer torchrun`, which keeps the exit contract (0 done, 75 saved on a signal, 2 bad

@@ -287,3 +287,17 @@ def same_training(tmp_path: Path, args: list[str], option: str, extra_env: dict 
         b = on[k]
         assert a.dtype == b.dtype, k
         assert (a.double() - b.double()).norm() <= rtol * a.double().norm(), f"{k}: {(a.double() - b.double()).norm() / a.double().norm():.2e} of its norm apart"
+
+
+@pytest.fixture(scope="session")
+def small_run(tmp_path_factory) -> tuple[Path, Path]:
+    """(a run folder of tinynet trained a few steps on JPEGs made here, those JPEGs): what
+    trainer predict and trainer export read, made once per test run."""
+
+    def make(folder: Path) -> None:
+        make_jpegs(folder / "images", train=40, test=12)
+        run(trainer_cmd("train", *TINY, "data.name=imagefolder", f"data.dir={folder / 'images'}", "train.batch_size=40", "train.epochs=3",
+                        f"checkpoint.dir={folder / 'run'}", "checkpoint.async_save=false"))
+
+    folder = made_once(tmp_path_factory, "small-run", make)
+    return folder / "run", folder / "images"

@@ -149,7 +149,8 @@ def train_ddp(
         max_retries: scheduler retries of the whole job after a crash. On Slurm the job requeues
             itself after a save for its time limit or a preemption whatever this says, and bad
             input makes it not requeueable; pass 0 there to leave crashes to torchrun's restarts
-        env: extra environment variables
+        env: extra environment variables. TORCH_HOME (the pretrained weights' cache, model.weights)
+            defaults to .torch beside the run folder, on the checkpoint volume or shared storage
         rdzv_endpoint: HOST:PORT of an etcd server (v2 API) outside the job: torchrun's etcd-v2
             rendezvous, which outlives any node, the rank-0 host included (the image needs
             python-etcd: the etcd extra). Empty: c10d on the rank-0 host
@@ -164,7 +165,7 @@ def train_ddp(
     # on Slurm the supervisor does what TorchX's batch script does not: stop before the time limit,
     # requeue after the save, never after bad input (trainer/launch/slurm.py); elsewhere the variable is inert
     role_env = {"PYTHONUNBUFFERED": "1", "TRAINER_NO_GPU_FIX": "pass --gpu 0 to the component to train on the CPU", "TRAINER_SLURM_SUPERVISE": "1",
-                MOUNTS_ENV: ";".join(expected), **(env or {})}
+                MOUNTS_ENV: ";".join(expected), "TORCH_HOME": f"{checkpoint_root.rstrip('/')}/.torch", **(env or {})}
     role = _role(train_args, image, j, gpu, cpu, memMB, h, mounts, max_restarts, max_retries, role_env, rdzv_endpoint)
     return specs.AppDef(name="cifar", roles=[role])
 
