@@ -145,14 +145,19 @@ def _train(cfg, started: float) -> int:
 
 @main.command("eval")
 @click.argument("checkpoint_path", metavar="CHECKPOINT")
+@click.option("--report", "report_dir", metavar="DIR", help="Also write a report there: per-class figures (CSV), the confusion matrix "
+              "(PNG), the most confused pairs and the worst-predicted images.")
 @config_options
-def eval_cmd(checkpoint_path, config_file, overrides):
+def eval_cmd(checkpoint_path, report_dir, config_file, overrides):
     """Test accuracy of a saved checkpoint (a step-N folder, or a run folder: its newest complete
     one). Overrides such as data.dir=... apply on top of the config stored in the checkpoint."""
     from trainer.worker.evaluate import evaluate_checkpoint
 
-    used, loss, acc, n = evaluate_checkpoint(checkpoint_path, config_file, overrides)
+    used, loss, acc, n, report = evaluate_checkpoint(checkpoint_path, config_file, overrides, report_dir)
     if os.environ.get("RANK", "0") == "0":
+        if report is not None:
+            click.echo(report.table())
+            click.echo(f"report in {report_dir}: per_class.csv, confused_pairs.csv, worst.csv, confusion.png")
         click.echo(f"{used}: test accuracy {100 * acc:.2f}% ({n} images), test loss {loss:.4f}")
 
 

@@ -71,6 +71,8 @@ class Split:
     labels: torch.Tensor
     """int64 [N]."""
     classes: list[str]
+    paths: list[str] | None = None
+    """Each image's file (or shard:key) where the set has files: what a report names."""
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -81,7 +83,8 @@ class Split:
         import torch
 
         idx = torch.randperm(len(self), generator=torch.Generator().manual_seed(seed))[:n].sort().values
-        return Split(self.images[idx].contiguous(), self.labels[idx].contiguous(), self.classes)
+        paths = [self.paths[i] for i in idx.tolist()] if self.paths else None
+        return Split(self.images[idx].contiguous(), self.labels[idx].contiguous(), self.classes, paths)
 
 
 def _writable(path: Path) -> bool:
@@ -135,12 +138,12 @@ def _cached(cfg: Config, key: str, build) -> tuple[Split, Split]:
         if not path.exists():
             train, test = build()
             _save_atomic({"train_x": train.images, "train_y": train.labels, "test_x": test.images,
-                          "test_y": test.labels, "classes": train.classes}, path)
+                          "test_y": test.labels, "classes": train.classes, "test_paths": test.paths}, path)
             return train, test
     try:
         blob = torch.load(path, weights_only=True)
         classes = list(blob["classes"])
-        return Split(blob["train_x"], blob["train_y"], classes), Split(blob["test_x"], blob["test_y"], classes)
+        return Split(blob["train_x"], blob["train_y"], classes), Split(blob["test_x"], blob["test_y"], classes, blob.get("test_paths"))
     except Exception as e:  # noqa: BLE001 - a cut-short or overwritten cache: any load error means the same
         why = one_line(e, 100)
         warnings.warn(f"the data cache {path} is damaged ({e.__class__.__name__}: {why}); decoding the data set again", stacklevel=2)
@@ -202,14 +205,14 @@ def check_archive(source: Path) -> None:
             pass
 
 
-def _decode(items, source: Path, side: int) -> tuple[torch.Tensor, list[str], list[str]]:
+def _decode(items, source: Path, side: int) -> tuple[torch.Tensor, list[str], list[str], list[str]]:
     """(uint8 images [N, 3, side, side], their class names, the names of those that did not decode)
     from ``items`` of (class name, file name, bytes): an image folder's or tarball's members, or a
     shard split's images."""
     import torch
     from PIL import Image, UnidentifiedImageError
 
-    images, names, bad = [], [], []
+    images, names, bad, paths = [], [], [], []
     t0 = last = time.monotonic()
     say(f"decoding {source} into the uint8 cache (once per data set and machine) ...")
     for cls, name, raw in items:
@@ -221,6 +224,7 @@ def _decode(items, source: Path, side: int) -> tuple[torch.Tensor, list[str], li
                 im = resize_center(to_rgb(im), side)
                 images.append(torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8).view(side, side, 3))
                 names.append(cls)
+                paths.append(name)
         except (UnidentifiedImageError, OSError, SyntaxError, ValueError):
             bad.append(name)
     if bad:
@@ -231,7 +235,7 @@ def _decode(items, source: Path, side: int) -> tuple[torch.Tensor, list[str], li
         raise ConfigError(f"{source}: none of its {len(bad)} image files could be decoded (first: {bad[0]}); replace them with readable images")
     if not images:
         raise ConfigError(f"{source} holds no class folders with images ({', '.join(IMAGE_SUFFIXES)}); expected {source}/<class>/<image>")
-    return torch.stack(images).permute(0, 3, 1, 2).contiguous(), names, bad
+    return torch.stack(images).permute(0, 3, 1, 2).contiguous(), names, bad, paths
 
 
 def _imagefolder_sources(cfg: Config) -> tuple[list[Path], str]:
@@ -256,7 +260,7 @@ def _imagefolder(cfg: Config) -> tuple[Split, Split]:
         classes = sorted(set(decoded[0][1]))
         check_same_classes(classes, sorted(set(decoded[1][1])), str(root))
         index = {c: i for i, c in enumerate(classes)}
-        return tuple(Split(x, torch.tensor([index[n] for n in names]), classes) for x, names, _ in decoded)
+        return tuple(Split(x, torch.tensor([index[n] for n in names]), classes, paths) for x, names, _, paths in decoded)
 
     return _cached(cfg, key, build)
 
@@ -326,9 +330,9 @@ def _decode_shards(root: Path, side: int) -> tuple[Split, Split]:
     out = []
     for split in ("train", "test"):
         ds = ShardSet(root, split)
-        x, names, _ = _decode(((ds.classes[label], where, raw) for raw, label, where in ds), root / split, side)
+        x, names, _, paths = _decode(((ds.classes[label], where, raw) for raw, label, where in ds), root / split, side)
         index = {c: i for i, c in enumerate(ds.classes)}
-        out.append(Split(x, torch.tensor([index[n] for n in names]), ds.classes))
+        out.append(Split(x, torch.tensor([index[n] for n in names]), ds.classes, paths))
     return out[0], out[1]
 
 

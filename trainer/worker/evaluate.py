@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from trainer.config import Config
 from trainer.config_loader import from_dict, load_config
-from trainer.worker import data, models
+from trainer.worker import data, models, pretrained
 from trainer.worker.checkpoint import folder as files
 from trainer.worker.checkpoint import store
 from trainer.worker.checkpoint.parts import ModelPart
@@ -36,10 +36,12 @@ def predict(model: torch.nn.Module, x: torch.Tensor, tta: str) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, split: Split, cfg: Config, rt: Runtime, augment: Augment, bf16: bool, beat=None) -> tuple[float, float]:
+def evaluate(model: torch.nn.Module, split: Split, cfg: Config, rt: Runtime, augment: Augment, bf16: bool, beat=None,
+             on_batch=None) -> tuple[float, float]:
     """(test loss, test accuracy). Each rank takes a contiguous shard and every rank runs the same
     number of batches (sharded models gather weights collectively), so every test image is counted
-    exactly once whatever the world size. ``beat()`` after each batch tells the hang watchdog."""
+    exactly once whatever the world size. ``beat()`` after each batch tells the hang watchdog;
+    ``on_batch(logits, labels)`` sees every batch in order (trainer eval --report)."""
     model.eval()
     sums = torch.zeros(3, device=rt.device, dtype=torch.float64)
     if isinstance(split, Split):
@@ -54,15 +56,18 @@ def evaluate(model: torch.nn.Module, split: Split, cfg: Config, rt: Runtime, aug
         sums[0] += F.cross_entropy(logits, y, reduction="sum").double()
         sums[1] += (logits.argmax(1) == y).sum()
         sums[2] += len(y)
+        if on_batch is not None:
+            on_batch(logits, y)
         if beat is not None:
             beat()
     loss, correct, n = all_reduce_sum(rt, sums).tolist()
     return loss / n, correct / n
 
 
-def evaluate_checkpoint(path: str, config_file: str | None, overrides) -> tuple[str, float, float, int]:
-    """(checkpoint, test loss, test accuracy, test images) of the checkpoint at ``path`` (a step-N
-    folder, a file in it, or a run folder: then its newest complete checkpoint)."""
+def evaluate_checkpoint(path: str, config_file: str | None, overrides, report_dir: str | None = None):
+    """(checkpoint, test loss, test accuracy, test images, report or None) of the checkpoint at
+    ``path`` (a step-N folder, a file in it, or a run folder: then its newest complete checkpoint);
+    with ``report_dir``, the per-class report too (trainer/worker/report.py)."""
     from trainer.worker.run import Fast
 
     where = Path(path)
@@ -89,7 +94,28 @@ def evaluate_checkpoint(path: str, config_file: str | None, overrides) -> tuple[
         model.to(rt.device)
         if fast.channels_last:
             model.to(memory_format=torch.channels_last)
-        loss, acc = evaluate(model, test_split, cfg, rt, Augment(cfg, rt, fast.channels_last), fast.bf16)
-        return str(where), loss, acc, len(test_split)
+        norm = pretrained.normalization_of(about)
+        collector = None
+        if report_dir is not None:
+            from trainer.worker.loader import eval_shard
+            from trainer.worker.report import Collector
+
+            collector = Collector(len(test_split.classes), eval_shard(len(test_split), rt).start, rt.device)
+        loss, acc = evaluate(model, test_split, cfg, rt, Augment(cfg, rt, fast.channels_last, norm=norm), fast.bf16, on_batch=collector)
+        report = None
+        if collector is not None:
+            from trainer.worker.report import merge
+
+            report = merge(rt, collector, test_split.classes, image_names(test_split))
+            if rt.is_main:
+                report.write(Path(report_dir))
+        return str(where), loss, acc, len(test_split), report
     finally:
         teardown()
+
+
+def image_names(split):
+    """A test image's name by index: its file (or shard:key), where the set keeps them."""
+    if isinstance(split, Streamed):
+        return lambda i: f"{split.shards.root}/{split.shards.name(i)}"
+    return split.paths.__getitem__ if split.paths else None

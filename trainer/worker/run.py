@@ -224,7 +224,7 @@ def load_data(cfg: Config, rt: Runtime, fast: Fast) -> tuple[Any, Any, int, data
     if steps_per_epoch == 0:
         raise ConfigError(f"train.batch_size={cfg.train.batch_size} is larger than the training set ({len(train_split)} images); use a smaller batch")
     if fast.device_resident and not plan.stream:
-        test_split = data.Split(test_split.images.to(rt.device), test_split.labels.to(rt.device), test_split.classes)
+        test_split = data.Split(test_split.images.to(rt.device), test_split.labels.to(rt.device), test_split.classes, test_split.paths)
     return train_split, test_split, steps_per_epoch, plan
 
 
