@@ -29,7 +29,8 @@ COPY configs ./configs
 # for this Python (a template, a test of another version) is never imported: its status is not
 # the build's.
 # The etcd extra: python-etcd, for torchrun's etcd-v2 rendezvous (k8s/elastic-etcd, RDZV_ENDPOINT).
-RUN python -m pip install -c constraints.txt ".[etcd]" \
+# The export extra: onnx, onnxscript, onnxruntime and safetensors, for trainer export and predict.
+RUN python -m pip install -c constraints.txt ".[etcd,export]" \
     && python -c "import compileall, site; [compileall.compile_dir(d, quiet=2, workers=0) for d in site.getsitepackages()]" \
     && useradd --create-home --home-dir /home/trainer --uid 10001 --user-group trainer \
     && chmod 1777 /home/trainer \
