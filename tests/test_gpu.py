@@ -330,3 +330,32 @@ def test_streamed_shards_decode_on_the_gpu_like_the_cpu(tmp_path):
     for (xg, yg, ig), (xc, yc, ic) in zip(out["gpu"], out["cpu"], strict=True):
         assert torch.equal(yg, yc) and torch.equal(ig, ic) and xg.shape == xc.shape == (50, 3, 96, 96)
         assert (xg - xc).abs().mean() < 0.1  # normalised units: JPEG decoders differ by a few levels, the rounding to uint8 on the CPU
+
+
+def test_a_pretrained_start_trains_compiled_and_predict_on_the_gpu_agrees_with_the_cpu(tmp_path):
+    """model.weights on CUDA (the file loaded into a model already on the GPU, channels-last,
+    compiled, the freeze on a fused optimizer); then trainer predict on the GPU (nvjpeg, bf16,
+    channels-last) against the same command on the CPU (PIL in the workers, fp32)."""
+    from conftest import make_jpegs, run
+
+    from trainer.worker import models
+
+    make_jpegs(tmp_path / "img", train=30, test=10, size=48)
+    torch.manual_seed(0)
+    torch.save(models.build("resnet18", 10).state_dict(), tmp_path / "start.pth")
+    ck = tmp_path / "ck"
+    p = run([sys.executable, "-m", "trainer", "train", "data.name=imagefolder", f"data.dir={tmp_path / 'img'}", "train.batch_size=50",
+             "train.epochs=3", f"model.weights={tmp_path / 'start.pth'}", "model.freeze_epochs=1", "model.compile=true",
+             "train.plot=false", f"checkpoint.dir={ck}"], env=gpu_env(CUDA_VISIBLE_DEVICES="0"), timeout=600)
+    assert f"weights {tmp_path / 'start.pth'}" in p.stdout and "done: step 18" in p.stdout, p.stdout[-2000:]
+    out = {}
+    for where, e in (("gpu", gpu_env(CUDA_VISIBLE_DEVICES="0")), ("cpu", gpu_env(CUDA_VISIBLE_DEVICES=""))):
+        q = run([sys.executable, "-m", "trainer", "predict", str(ck), str(tmp_path / "img" / "test"), "--out", str(tmp_path / f"{where}.jsonl"), "-q"],
+                env=e, timeout=300)
+        assert "100 image(s) predicted" in q.stderr, q.stderr
+        out[where] = [json.loads(line) for line in (tmp_path / f"{where}.jsonl").read_text().splitlines()]
+    same = sum(g["top"][0]["class"] == c["top"][0]["class"] for g, c in zip(out["gpu"], out["cpu"], strict=True))
+    gap = max(abs(g["top"][0]["prob"] - c["top"][0]["prob"]) for g, c in zip(out["gpu"], out["cpu"], strict=True))
+    report("pretrained start compiled on the GPU; predict GPU vs CPU", agree=same, of=100, largest_prob_gap=round(gap, 4))
+    # bf16 against fp32 and two JPEG decoders: a near tie may flip, nothing more
+    assert same >= 95 and gap < 0.1, (same, gap)

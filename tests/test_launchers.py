@@ -126,7 +126,8 @@ def test_dockerfile_is_hadolint_clean_pinned_and_non_root():
     base = re.search(r"^FROM (\S+)", text, re.M).group(1)
     assert re.fullmatch(r"python:3\.\d+-slim-\w+", base), base
     # one torch everywhere: the image installs the constraints CI tests, which pin torch exactly
-    assert re.search(r"COPY [^\n]*constraints\.txt", text) and '-c constraints.txt ".[etcd]"' in text  # python-etcd: etcd-v2 rendezvous
+    assert re.search(r"COPY [^\n]*constraints\.txt", text) and '-c constraints.txt ".[etcd,export]"' in text  # python-etcd: etcd-v2 rendezvous; onnx, onnxruntime, safetensors: trainer export
+    assert "TORCH_HOME=/checkpoints/.torch" in text  # pretrained weights cached on the checkpoint volume
     assert not re.search(r"torch==|torchvision==", text), "versions live in constraints.txt alone"
     pins = dict(line.split("==") for line in (ROOT / "constraints.txt").read_text().split() if "==" in line)
     readme = (ROOT / "docs" / "launchers.md").read_text()
@@ -837,6 +838,8 @@ def test_torchx_kubernetes_dryrun_is_a_valid_volcano_job():
         claims = {v["name"]: v.get("persistentVolumeClaim", {}).get("claimName") for v in task["template"]["spec"]["volumes"]}
         assert claims[mounts["/checkpoints"]["name"]] == "cifar-checkpoints"
         assert "-m trainer train" in c["command"][-1] and "--max-restarts 3" in c["command"][-1]
+        # pretrained weights (model.weights) are cached on the checkpoint volume, which outlives the job
+        assert {e["name"]: e.get("value") for e in c["env"]}["TORCH_HOME"] == "/checkpoints/.torch"
 
 
 def readme_torchx_commands() -> list[tuple[dict, list[str]]]:

@@ -60,3 +60,22 @@ def test_a_shards_folder_is_predicted_image_by_image(small_run, tmp_path):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 120 + 400 and rows[0]["file"].startswith(f"{tmp_path / 'shards'}/test/")
     assert len(rows[0]["top"]) == 1 and rows[0]["top"][0]["class"].startswith("class")
+
+
+def test_jpegs_decoded_on_the_device_give_the_predictions_of_the_workers_pil_path(small_run, tmp_path):
+    """The GPU's path (nvjpeg and roi_align there; torchvision's CPU decoder here, the same code
+    around it) against PIL in the workers, on the same images: the same top-1, probabilities close
+    (two JPEG decoders round the IDCT differently); a broken JPEG is named and skipped in both."""
+    from trainer.worker.predict import find_images, predict
+    from trainer.worker.trained import open_trained
+
+    run_folder, images = small_run
+    (tmp_path / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 cut")
+    refs = find_images([str(images / "test" / "class1"), str(tmp_path / "broken.jpg"), str(images / "test" / "class2")])
+    model = open_trained(str(run_folder))
+    said = {True: [], False: []}
+    got = {raw: list(predict(model, refs, 3, 7, 0, said[raw].append, jpegs_on_device=raw)) for raw in (True, False)}
+    assert [p.name for p in got[True]] == [p.name for p in got[False]] and len(got[True]) == 24
+    assert [p.top[0][0] for p in got[True]] == [p.top[0][0] for p in got[False]]
+    assert max(abs(a.top[0][1] - b.top[0][1]) for a, b in zip(got[True], got[False], strict=True)) < 0.05
+    assert len(said[True]) == len(said[False]) == 1 and "broken.jpg" in said[True][0], said

@@ -263,3 +263,15 @@ def test_an_etcd_rendezvous_endpoint_takes_the_place_of_the_first_nodes(tmp_path
     finally:
         server.terminate()
         server.wait(10)
+
+
+def test_the_batch_script_finds_pretrained_weights_in_the_shared_folder(tmp_path):
+    """slurm/steps.sh sets TORCH_HOME=$SHARED_DIR/torch: a torchvision weights file put there by hand
+    (the nodes have no network) starts the run; the check before torchrun found it too."""
+    from test_pretrained import NO_NETWORK, hub_with_resnet18
+
+    hub_with_resnet18(tmp_path / "torch")
+    job = sbatch("slurm/single.sh", tmp_path, "train.strategy=cpu", "model.name=torchvision.resnet18", "model.weights=IMAGENET1K_V1",
+                 "train.max_steps=2", "data.synthetic_train_size=256", "data.synthetic_test_size=64", extra_env=NO_NETWORK)
+    out = log(tmp_path, job)
+    assert job_field(job, "ExitCode") == "0:0" and "weights ResNet18_Weights.IMAGENET1K_V1" in out and "done: step 2" in out, out

@@ -2,12 +2,16 @@
 exported model (trainer/worker/trained.py opens either).
 
 IMAGES are files, folders (every image under them) or a shards folder (its splits' images).
-Each image gets the evaluation's preprocessing: shorter side to the stored size (8/7 of the
-image size above 64 px), centre crop, the run's mean and std. DataLoader workers decode; a JPEG
-decodes at the smallest DCT scale that still covers that size (PIL's draft: a photo's decode costs
-a fraction of a full one, and the resize starts from fewer pixels). On a GPU the batch runs in
-bf16 and channels-last, as training evaluates. An unreadable file is one line, skipped and
-counted; only a run where no image could be read is an error (exit 2).
+Each image gets the evaluation's preprocessing: the centre of the image at the stored size (8/7
+of the image size above 64 px), then the centre crop; the run's mean and std.
+
+On a GPU, DataLoader workers only read the JPEGs' bytes; the GPU decodes each batch in one nvjpeg
+call and crops and resizes it in one roi_align (the streamed evaluation's own path,
+trainer/worker/stream.py), and the model runs in bf16 and channels-last, as training evaluates:
+the host's cores no longer set the pace. Elsewhere (the CPU; a PNG, or any image that is not a
+JPEG) the workers decode with PIL, a JPEG at the smallest DCT scale that still covers the size
+(PIL's draft: a large photo decodes at a fraction of the cost). An unreadable file is one line,
+skipped and counted; only a run where no image could be read is an error (exit 2).
 """
 
 from __future__ import annotations
@@ -51,11 +55,15 @@ def find_images(paths: list[str]) -> list[tuple]:
     return found
 
 
-class Images(Dataset):
-    """Reference i -> (uint8 [3, S, S] or None, i, name, why it could not be read)."""
+JPEG = b"\xff\xd8\xff"
 
-    def __init__(self, refs: list[tuple], image_size: int):
-        self.refs, self.size, self.side = refs, image_size, store_size(image_size)
+
+class Images(Dataset):
+    """Reference i -> (uint8 [3, S, S], or a JPEG's bytes with ``raw_jpegs``, or None; i, name,
+    why it could not be read)."""
+
+    def __init__(self, refs: list[tuple], image_size: int, raw_jpegs: bool = False):
+        self.refs, self.size, self.side, self.raw_jpegs = refs, image_size, store_size(image_size), raw_jpegs
         self.shards: dict = {}
 
     def __len__(self) -> int:
@@ -78,6 +86,8 @@ class Images(Dataset):
         name = self.refs[i][-1] if self.refs[i][0] == "file" else str(self.refs[i])
         try:
             raw, name = self._read(self.refs[i])
+            if self.raw_jpegs and raw.startswith(JPEG):  # the GPU decodes it
+                return torch.frombuffer(bytearray(raw), dtype=torch.uint8), i, name, "raw"
             with Image.open(io.BytesIO(raw)) as im:
                 im.draft("RGB", (self.side, self.side))  # JPEG: decode at the smallest scale that still covers the resize
                 im = resize_center(to_rgb(im), self.side)
@@ -91,9 +101,41 @@ class Images(Dataset):
 
 
 def _batch(items: list) -> tuple:
-    good = [it for it in items if it[0] is not None]
-    x = torch.stack([it[0] for it in good]) if good else None
-    return x, [it[2] for it in good], [(it[2], it[3]) for it in items if it[0] is None]
+    """(decoded uint8 images, their names, JPEG bytes, their names, [(unreadable, why)], the
+    readable images' positions in the input: decoded ones first, then the JPEGs)."""
+    from trainer.worker.stream import one_buffer
+
+    decoded = [it for it in items if it[0] is not None and it[3] != "raw"]
+    raws = [it for it in items if it[3] == "raw"]
+    x = torch.stack([it[0] for it in decoded]) if decoded else None
+    return (x, [it[2] for it in decoded], one_buffer([it[0] for it in raws]), [it[2] for it in raws],
+            [(it[2], it[3]) for it in items if it[0] is None], [it[1] for it in decoded + raws])
+
+
+def decode_jpegs(raws: tuple[torch.Tensor, list[int]], names: list[str], size: int, device: torch.device):
+    """A batch of JPEGs on the GPU: (float [n, 3, size, size] 0-255 centre crops, their names,
+    [(unreadable, why)]). One nvjpeg call; where one image fails it, each alone finds which."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    from trainer.worker.stream import boxes, crop_batch
+
+    views = list(torch.split(raws[0].to(device, non_blocking=True), raws[1]))
+    try:
+        images = decode_jpeg(views, mode=ImageReadMode.RGB, device=device)
+    except RuntimeError:
+        images = []
+        for raw in views:
+            try:
+                images.append(decode_jpeg(raw, mode=ImageReadMode.RGB, device=device))
+            except RuntimeError:
+                images.append(None)
+    bad = [(n, "a JPEG nvjpeg cannot decode") for n, im in zip(names, images, strict=True) if im is None]
+    names = [n for n, im in zip(names, images, strict=True) if im is not None]
+    images = [im for im in images if im is not None]
+    if not images:
+        return None, names, bad
+    at, mirror = boxes(images, size, None, False)
+    return crop_batch(images, at, mirror, size), names, bad
 
 
 @dataclass
@@ -102,8 +144,9 @@ class Prediction:
     top: list[tuple[str, float]]
 
 
-def predict(model: Trained, refs: list[tuple], top_k: int, batch_size: int, workers: int, say=print):
-    """Yields a Prediction per readable image, in order; an unreadable one is said and skipped."""
+def predict(model: Trained, refs: list[tuple], top_k: int, batch_size: int, workers: int, say=print, jpegs_on_device: bool | None = None):
+    """Yields a Prediction per readable image, in order; an unreadable one is said and skipped.
+    ``jpegs_on_device``: JPEGs decoded by torchvision on the model's device (default: on a GPU)."""
     cuda = torch.cuda.is_available() and model.session is None
     device = torch.device("cuda" if cuda else "cpu")
     model.to(device)
@@ -112,17 +155,27 @@ def predict(model: Trained, refs: list[tuple], top_k: int, batch_size: int, work
     mean = torch.tensor(model.mean, device=device).view(1, 3, 1, 1) * 255
     inv_std = 1 / (torch.tensor(model.std, device=device).view(1, 3, 1, 1) * 255)
     k = min(top_k, len(model.classes))
-    loader = DataLoader(Images(refs, model.image_size), batch_size=batch_size, num_workers=workers, collate_fn=_batch, pin_memory=cuda,
-                        persistent_workers=False)
-    for x, names, bad in loader:
+    raw = cuda if jpegs_on_device is None else jpegs_on_device
+    loader = DataLoader(Images(refs, model.image_size, raw_jpegs=raw), batch_size=batch_size, num_workers=workers, collate_fn=_batch,
+                        pin_memory=cuda, persistent_workers=False)
+    for decoded, names, raws, raw_names, bad, at in loader:
+        parts = [] if decoded is None else [decoded.to(device, non_blocking=True).float()]
+        if raw_names:
+            on_gpu, kept, more = decode_jpegs(raws, raw_names, model.image_size, device)
+            bad += more
+            at = at[: len(names)] + [i for i, n in zip(at[len(names) :], raw_names, strict=True) if n in kept]
+            names += kept
+            parts += [] if on_gpu is None else [on_gpu]
         for name, why in bad:
             say(f"skipped {name}: not a readable image ({why})")
-        if x is None:
+        if not parts:
             continue
-        x = x.to(device, non_blocking=True)
+        order = sorted(range(len(at)), key=at.__getitem__)  # the input's order
+        names = [names[j] for j in order]
+        x = (torch.cat(parts) if len(parts) > 1 else parts[0])[torch.tensor(order, device=device)]
         if cuda:
             x = x.contiguous(memory_format=torch.channels_last)
-        x = x.float().sub_(mean).mul_(inv_std)
+        x = x.sub_(mean).mul_(inv_std)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
             probs = model.logits(x).float().softmax(1)
         p, c = probs.topk(k, dim=1)

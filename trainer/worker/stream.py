@@ -42,14 +42,16 @@ from torch.utils.data import DataLoader, Dataset
 
 from trainer.config import Config, ConfigError
 from trainer.contract import say
+from trainer.worker.data import store_size
 from trainer.worker.loader import crop_boxes, quiet_worker, rank_order
 from trainer.worker.runtime import Runtime
 from trainer.worker.shards import ShardSet
 
 
 def center_box(h: int, w: int, size: int) -> tuple[int, int, int, int]:
-    """The test crop: torchvision's Resize(size * 8/7) + CenterCrop(size) as one box of the image."""
-    side = min(h, w) * size / round(size * 8 / 7)
+    """The test crop: torchvision's Resize(size * 8/7) + CenterCrop(size) as one box of the image
+    (the whole shorter side for small images, whose stored size is their size: data.store_size)."""
+    side = min(h, w) * size / store_size(size)
     ch = cw = max(1, round(side))
     return (h - ch) // 2, (w - cw) // 2, ch, cw
 
