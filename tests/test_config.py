@@ -231,3 +231,11 @@ def test_the_torchvision_model_list_is_the_installed_torchvisions():
     from trainer.config import TORCHVISION_MODELS, torchvision_names
 
     assert list(TORCHVISION_MODELS) == torchvision_names(), "torchvision's models changed: update TORCHVISION_MODELS in trainer/config.py"
+
+
+def test_a_number_in_e_notation_without_a_dot_is_a_number():
+    """YAML 1.1 reads 5e-4 as text; a float key takes it, and refuses text that is no finite number."""
+    assert load_config(None, ["optim.weight_decay=5e-4"]).optim.weight_decay == 0.0005
+    for bad in ("optim.lr=fast", "optim.lr=nan", "optim.lr=inf"):
+        with pytest.raises(ConfigError, match="expected a number"):
+            load_config(None, [bad])

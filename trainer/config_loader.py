@@ -12,6 +12,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import math
 import os
 import sys
 import types
@@ -75,6 +76,14 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
             raise bad
         return value
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads 5e-4 (no dot) as text: a number all the same
+            try:
+                number = float(value)
+            except ValueError:
+                raise bad from None
+            if not math.isfinite(number):
+                raise bad
+            return number
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise bad
         return float(value)
