@@ -230,3 +230,58 @@ def test_a_pretrained_start_beats_a_random_one_on_few_images_of_other_classes(jp
                             "train.eval_every=30", "checkpoint.every_epochs=0", f"checkpoint.dir={tmp_path / ('from-' + start)}"))
         acc[start] = float(p.stdout.split("| test acc ")[-1].split("%")[0])
     assert acc["pretrained"] - acc["random"] >= TRANSFER_MARGIN, acc
+
+
+def test_one_process_per_machine_downloads_with_the_hash_check_while_the_others_wait(tmp_path):
+    """fetch() through torch.hub's download from a server on this machine (the URL is the only
+    thing not torchvision's): four processes at once leave one file, downloaded once; a file whose
+    bytes do not match its name's hash prefix is refused in one line and not kept."""
+    import hashlib
+    import http.server
+    import subprocess
+    import sys
+    import threading
+
+    served = tmp_path / "served"
+    served.mkdir()
+    torch.save(models.build("tinynet").state_dict(), served / "w.pth")
+    digest = hashlib.sha256((served / "w.pth").read_bytes()).hexdigest()
+    (served / f"tinynet-{digest[:8]}.pth").write_bytes((served / "w.pth").read_bytes())
+    (served / "tinynet-deadbeef.pth").write_bytes((served / "w.pth").read_bytes())
+    hits = []
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, directory=str(served), **kw)
+
+        def log_message(self, *a):
+            hits.append(self.path)
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{server.server_port}"
+        code = ("import sys; from pathlib import Path; from trainer.worker import pretrained as p\n"
+                "w = p.Weights('X', 'torchvision', Path(sys.argv[1]), (0.5,) * 3, (0.5,) * 3, sys.argv[2])\n"
+                "try:\n    p.fetch(w); print('ok')\nexcept p.ConfigError as e:\n    print(e)\n")
+        hub = tmp_path / "hub"
+        name = f"tinynet-{digest[:8]}.pth"
+        procs = [subprocess.Popen([sys.executable, "-c", code, str(hub / name), f"{base}/{name}"], stdout=subprocess.PIPE, text=True,
+                                  env=env(no_proxy="127.0.0.1")) for _ in range(4)]
+        assert [p.communicate(timeout=120)[0].strip() for p in procs] == ["ok"] * 4
+        assert hits.count(f"/{name}") == 1 and torch.load(hub / name).keys() == models.build("tinynet").state_dict().keys()
+        bad = subprocess.run([sys.executable, "-c", code, str(hub / "tinynet-deadbeef.pth"), f"{base}/tinynet-deadbeef.pth"], capture_output=True,
+                             text=True, env=env(no_proxy="127.0.0.1"), timeout=120)
+        assert "could not be downloaded (invalid hash value" in bad.stdout and len(bad.stdout.strip().splitlines()) == 1, bad.stdout + bad.stderr
+        assert not (hub / "tinynet-deadbeef.pth").exists()
+    finally:
+        server.shutdown()
+
+
+@pytest.mark.parametrize("args, says", [
+    (["model.name=resnet50", "model.weights=IMAGENET1K_V9"], "is no weights name of resnet50; it has IMAGENET1K_V1, IMAGENET1K_V2, DEFAULT"),
+    (["model.name=airnet", "model.weights=/nowhere/w.safetensors"], "model.weights=/nowhere/w.safetensors does not exist"),
+])
+def test_trainer_check_refuses_a_bad_weights_name_or_path_in_one_line(tmp_path, args, says):
+    p = run(trainer_cmd("check", *TINY, *args, f"checkpoint.dir={tmp_path / 'ck'}"), check=False)
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [p.stderr.strip()] and says in p.stderr, p.stderr
