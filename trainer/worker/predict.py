@@ -119,7 +119,7 @@ def decode_jpegs(raws: tuple[torch.Tensor, list[int]], names: list[str], size: i
 
     from trainer.worker.stream import boxes, crop_batch
 
-    views = list(torch.split(raws[0].to(device, non_blocking=True), raws[1]))
+    views = list(torch.split(raws[0], raws[1]))  # nvjpeg reads the bytes from host memory
     try:
         images = decode_jpeg(views, mode=ImageReadMode.RGB, device=device)
     except RuntimeError:
