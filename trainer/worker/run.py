@@ -234,7 +234,9 @@ def normalization(cfg: Config, resumed_from: Path | None, weights: pretrained.We
     if resumed_from is not None:
         from trainer.worker.checkpoint import folder as files
 
-        return pretrained.normalization_of(files.read_meta(resumed_from))
+        folder = resumed_from if resumed_from.is_dir() else resumed_from.parent
+        if (folder / files.META).is_file():  # else the restore says what the path is not
+            return pretrained.normalization_of(files.read_meta(folder))
     return (weights.mean, weights.std) if weights else data.norm_stats(cfg.data.image_size)
 
 
