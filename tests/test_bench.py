@@ -7,6 +7,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
+
 from bench.run import evict_page_cache, node_files, read_jsonl, table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,3 +95,24 @@ def test_the_restore_case_times_a_restore_and_shows_where_it_went(tmp_path):
     assert row["run"] == "checkpoint-restore" and row["model"] == "tinynet" and row["state_GB"] > 0
     assert len(row["restore_s"]) == 3 and all(s > 0 for s in row["restore_s"])
     assert "checkpointer.py" in p.stdout and "(restore)" in p.stdout  # the profile names the restore's own calls
+
+
+@pytest.mark.slow
+def test_the_predict_bench_times_predict_beside_a_plain_script_and_the_exports(tmp_path):
+    """`python -m bench.predict` (BENCHMARKS.md, "Predict and export"), shrunk to a CPU: a row for
+    each command, every image predicted by both, both exports checked."""
+    import json
+    import sys
+
+    from conftest import ROOT, make_jpegs, run
+
+    cifar = tmp_path / "cifar"
+    make_jpegs(cifar / "src", train=4, test=2)
+    for split in ("train", "test"):
+        run(["tar", "czf", str(cifar / f"cifar10-jpeg-{split}.tar.gz"), "-C", str(cifar / "src"), split])
+    p = run([sys.executable, "-m", "bench.predict", str(tmp_path / "out"), "--cifar", str(cifar), "--images", "20", "--batch", "8",
+             "--workers", "1"], cwd=ROOT, timeout=1200)
+    rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    assert [r["case"].split(",")[0] for r in rows] == ["plain", "predict", "plain", "predict", "export onnx", "export pt2", "cpu runtimes"]
+    assert all(r["images"] == 20 and r["images_per_s"] > 0 for r in rows[:4])
+    assert all("largest logit difference" in r["line"] for r in rows[4:6]) and rows[6]["onnxruntime_images_per_s"] > 0
