@@ -119,3 +119,18 @@ def test_every_format_exports_this_projects_networks_without_its_code(tmp_path, 
     assert f"{fmt}, airnet, 10 classes" in p.stderr, p.stderr
     if fmt == "safetensors":
         assert json.loads((tmp_path / "a.json").read_text())["torchvision"] is None, "this project's network: no torchvision name"
+
+
+def test_an_exporter_that_cannot_take_the_model_is_one_line_and_a_traceback_file(small_run, tmp_path):
+    """torch's exporter failing inside (as it does for an op it has no translation for): exit 1,
+    one line naming the format and the error, the traceback in the file the line names."""
+    run_folder, _ = small_run
+    code = ("import sys, torch\n"
+            "def fail(*a, **k):\n    raise RuntimeError('no translation for aten::made_up')\n"
+            "torch.onnx.export = fail\n"
+            "sys.argv = ['trainer'] + sys.argv[1:]\nfrom trainer.launch.cli import entry\nentry()\n")
+    p = run([sys.executable, "-c", code, "export", str(run_folder), "--format", "onnx", "--out", str(tmp_path / "m.onnx")], check=False)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 1 and len(lines) == 1 and "the onnx export of" in lines[0] and "aten::made_up" in lines[0], p.stderr
+    trace = Path(lines[0].split("the traceback is in ")[1].split(";")[0])
+    assert "RuntimeError: no translation for aten::made_up" in trace.read_text()

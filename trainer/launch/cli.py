@@ -197,6 +197,19 @@ def export(source, fmt, out):
     except ExportMismatch as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(EXIT_CRASH)
+    except (ConfigError, KeyboardInterrupt):
+        raise
+    except Exception as e:  # noqa: BLE001 - the exporter could not take this model: one line, the traceback in a file
+        import tempfile
+        import traceback
+
+        from trainer.contract import one_line
+
+        with tempfile.NamedTemporaryFile("w", prefix=f"trainer-export-{fmt}-", suffix=".txt", delete=False) as fh:
+            traceback.print_exc(file=fh)
+        click.echo(f"error: the {fmt} export of {source} failed ({e.__class__.__name__}: {one_line(e, 160)}); the traceback is in {fh.name}; "
+                   f"another --format may take this model", err=True)
+        sys.exit(EXIT_CRASH)
 
 
 @main.command()
