@@ -125,9 +125,10 @@ def test_freeze_and_backbone_scale_make_the_pretrained_groups_learning_rate():
 
     cfg = Config()
     cfg.model.weights, cfg.model.freeze_epochs, cfg.optim.backbone_lr_scale, cfg.optim.warmup_epochs = "x.pth", 2, 0.1, 0
+    cfg.data.image_size, cfg.model.name = 32, "tinynet"
     model = models.build("tinynet")
     head = pretrained.head_keys("tinynet", 32)
-    opt = build_optimizer(model, cfg, cuda=False, head=head)
+    opt = build_optimizer(model, cfg, cuda=False)
     names = {id(p): n for n, p in model.named_parameters()}
     for g in opt.param_groups:
         assert all((names[id(p)] in head) != bool(g.get("pretrained")) for p in g["params"])

@@ -94,24 +94,26 @@ def evaluate_checkpoint(path: str, config_file: str | None, overrides, report_di
         model.to(rt.device)
         if fast.channels_last:
             model.to(memory_format=torch.channels_last)
-        norm = pretrained.normalization_of(about)
-        collector = None
-        if report_dir is not None:
-            from trainer.worker.loader import eval_shard
-            from trainer.worker.report import Collector
-
-            collector = Collector(len(test_split.classes), eval_shard(len(test_split), rt).start, rt.device)
-        loss, acc = evaluate(model, test_split, cfg, rt, Augment(cfg, rt, fast.channels_last, norm=norm), fast.bf16, on_batch=collector)
-        report = None
-        if collector is not None:
-            from trainer.worker.report import merge
-
-            report = merge(rt, collector, test_split.classes, image_names(test_split))
-            if rt.is_main:
-                report.write(Path(report_dir))
+        augment = Augment(cfg, rt, fast.channels_last, norm=pretrained.normalization_of(about))
+        if report_dir is None:
+            loss, acc = evaluate(model, test_split, cfg, rt, augment, fast.bf16)
+            return str(where), loss, acc, len(test_split), None
+        loss, acc, report = evaluate_with_report(model, test_split, cfg, rt, augment, fast.bf16)
+        if rt.is_main:
+            report.write(Path(report_dir))
         return str(where), loss, acc, len(test_split), report
     finally:
         teardown()
+
+
+def evaluate_with_report(model, test_split, cfg: Config, rt: Runtime, augment: Augment, bf16: bool):
+    """(test loss, test accuracy, the per-class report: trainer/worker/report.py), every rank's share counted."""
+    from trainer.worker.loader import eval_shard
+    from trainer.worker.report import Collector, merge
+
+    collector = Collector(len(test_split.classes), eval_shard(len(test_split), rt).start, rt.device)
+    loss, acc = evaluate(model, test_split, cfg, rt, augment, bf16, on_batch=collector)
+    return loss, acc, merge(rt, collector, test_split.classes, image_names(test_split))
 
 
 def image_names(split):

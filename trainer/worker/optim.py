@@ -37,10 +37,13 @@ def impl_kwargs(impl: str, cuda: bool) -> dict:
     return {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
 
 
-def build_optimizer(model: nn.Module, cfg: Config, cuda: bool, sharded: bool = False, head: set[str] | None = None) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: Config, cuda: bool, sharded: bool = False) -> torch.optim.Optimizer:
+    """The optimizer over param_groups; with a pretrained start the new head's parameters apart."""
+    from trainer.worker.pretrained import head_keys
+
     o = cfg.optim
     kw = impl_kwargs("foreach" if sharded and o.impl == "auto" else o.impl, cuda)
-    groups = param_groups(model, cfg, head)
+    groups = param_groups(model, cfg, head_keys(cfg.model.name, cfg.data.image_size) if cfg.model.weights else None)
     if o.name == "sgd":
         return torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov, **kw)
     return torch.optim.AdamW(groups, lr=o.lr, betas=(o.momentum, 0.999), **kw)

@@ -130,10 +130,7 @@ def build(cfg: Config, rt: Runtime, started_at: float | None = None) -> Run:
     fast = replace(fast, device_resident=fast.device_resident and not plan.stream)  # streamed: nothing resident (the start line says so)
     ckpt.classes = train_split.classes
     clock.mark("data")
-    weights = pretrained.resolve(cfg.model.name, cfg.model.weights) if resumed_from is None else None
-    norm = normalization(cfg, resumed_from, weights)
-    ckpt.normalize = {"mean": list(norm[0]), "std": list(norm[1])}
-    augment = Augment(cfg, rt, fast.channels_last, rt.per_rank_batch(cfg.train.batch_size), steps_per_epoch, norm)
+    weights, augment = start_from(cfg, rt, fast, steps_per_epoch, resumed_from, ckpt)
     model = build_model(cfg, rt, fast, augment, train_split, fresh=resumed_from is None, weights=weights)
     clock.mark("model")
     cache, cache_key = use_compile_cache(cfg, rt, fast, clock)  # before anything compiles
@@ -141,8 +138,7 @@ def build(cfg: Config, rt: Runtime, started_at: float | None = None) -> Run:
     net = parallel.wrap(model, nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing), cfg, rt, fast.compile, fast.bf16, extras,
                         fast.compile_mode)
     clock.mark("wrap")
-    head = pretrained.head_keys(cfg.model.name, cfg.data.image_size) if cfg.model.weights else None
-    optimizer = build_optimizer(model, cfg, rt.cuda, sharded=rt.strategy == "fsdp", head=head)
+    optimizer = build_optimizer(model, cfg, rt.cuda, sharded=rt.strategy == "fsdp")
     total = step_count(cfg, steps_per_epoch)
     schedule = build_schedule(optimizer, cfg, total, steps_per_epoch)
     extras.after_optimizer(model, optimizer)
@@ -159,8 +155,8 @@ def build(cfg: Config, rt: Runtime, started_at: float | None = None) -> Run:
         loader=make_loader(cfg, rt, train_split, fast, augment), augment=augment,
         steps_per_epoch=steps_per_epoch, total_steps=total, stop=StopFlag(rt), checkpointer=ckpt,
         metrics=RunLog(ckpt.root, rt, cfg.train.tensorboard, state.step if resumed_from else None), say=say,
-        resumed_from=resumed_from, started_at=clock.started_at, compile_cache=cache, compile_key=cache_key,
-        weights=weights.describe() if weights else "", startup=clock, watchdog=Watchdog(cfg.dist.hang_timeout_s, ckpt.root, rt.rank, cfg.dist.timeout_s, rt.world_size if rt.collectives else 1),
+        resumed_from=resumed_from, started_at=clock.started_at, compile_cache=cache, compile_key=cache_key, weights=weights.describe() if weights else "",
+        startup=clock, watchdog=Watchdog(cfg.dist.hang_timeout_s, ckpt.root, rt.rank, cfg.dist.timeout_s, rt.world_size if rt.collectives else 1),
     )
 
 
@@ -228,16 +224,23 @@ def load_data(cfg: Config, rt: Runtime, fast: Fast) -> tuple[Any, Any, int, data
     return train_split, test_split, steps_per_epoch, plan
 
 
-def normalization(cfg: Config, resumed_from: Path | None, weights: pretrained.Weights | None) -> tuple:
-    """The mean and std the images are normalised by: a resumed run's own (its checkpoint says),
-    else the pretrained weights', else the image size's defaults."""
-    if resumed_from is not None:
+def start_from(cfg: Config, rt: Runtime, fast: Fast, steps_per_epoch: int, resumed_from: Path | None,
+               ckpt: Checkpointer) -> tuple[pretrained.Weights | None, Augment]:
+    """The pretrained weights of a fresh run (if any) and the augmentation, which normalises the
+    images by a resumed run's own mean and std (its checkpoint says), else the weights', else the
+    image size's; the checkpointer saves them with every checkpoint."""
+    weights, norm = None, data.norm_stats(cfg.data.image_size)
+    if resumed_from is None:
+        weights = pretrained.resolve(cfg.model.name, cfg.model.weights)
+        norm = (weights.mean, weights.std) if weights else norm
+    else:
         from trainer.worker.checkpoint import folder as files
 
         folder = resumed_from if resumed_from.is_dir() else resumed_from.parent
         if (folder / files.META).is_file():  # else the restore says what the path is not
-            return pretrained.normalization_of(files.read_meta(folder))
-    return (weights.mean, weights.std) if weights else data.norm_stats(cfg.data.image_size)
+            norm = pretrained.normalization_of(files.read_meta(folder))
+    ckpt.normalize = {"mean": list(norm[0]), "std": list(norm[1])}
+    return weights, Augment(cfg, rt, fast.channels_last, rt.per_rank_batch(cfg.train.batch_size), steps_per_epoch, norm)
 
 
 def build_model(cfg: Config, rt: Runtime, fast: Fast, augment: Augment, train_split: data.Split, fresh: bool = True,
