@@ -17,8 +17,9 @@ from trainer.worker.checkpoint.parts import state_bytes
 def preflight(cfg: Config) -> None:
     """The checks a launcher can make once, before torchrun starts any worker: CUDA where asked
     for, a resume path that exists and fits (its model and global batch), a data folder that holds
-    data the model can take, pretrained weights that are here (or downloaded) and fit the model; then this machine's part: a writable checkpoint folder with room for
-    keep + 1 checkpoints, no other run holding it. The input comes first, so its error is the same
+    data the model can take, pretrained weights that are here (or downloaded) and fit the model;
+    then this machine's part: a writable checkpoint folder with room for keep + 1 checkpoints, no
+    other run holding it. The input comes first, so its error is the same
     on every machine. Raises ConfigError (exit 2); writes nothing but the folder and its lock file."""
     check_devices(cfg, torch.cuda.is_available())
     root = Path(cfg.checkpoint.dir)

@@ -206,8 +206,8 @@ def check_archive(source: Path) -> None:
 
 
 def _decode(items, source: Path, side: int) -> tuple[torch.Tensor, list[str], list[str], list[str]]:
-    """(uint8 images [N, 3, side, side], their class names, the names of those that did not decode)
-    from ``items`` of (class name, file name, bytes): an image folder's or tarball's members, or a
+    """(uint8 images [N, 3, side, side], their class names, the names of those that did not decode,
+    the names of those that did) from ``items`` of (class name, file name, bytes): an image folder's or tarball's members, or a
     shard split's images."""
     import torch
     from PIL import Image, UnidentifiedImageError

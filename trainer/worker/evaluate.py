@@ -70,10 +70,7 @@ def evaluate_checkpoint(path: str, config_file: str | None, overrides, report_di
     with ``report_dir``, the per-class report too (trainer/worker/report.py)."""
     from trainer.worker.run import Fast
 
-    where = Path(path)
-    if where.is_dir() and not (where / files.META).exists() and (newest := files.newest_complete(where)) is not None:
-        where = newest  # a run folder: its newest complete checkpoint
-    where, about, _ = store.open_checkpoint(where, verify=True)
+    where, about, _ = store.open_checkpoint(files.given(Path(path)), verify=True)
     base = from_dict(about["config"])
     base.train.strategy = "auto"  # evaluate wherever we are, whatever the run used
     base.checkpoint.resume = "never"

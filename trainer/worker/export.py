@@ -26,7 +26,8 @@ import torch
 from trainer.config import ConfigError
 from trainer.worker.trained import META_KEY, Trained, needs, open_trained
 
-FORMATS = ("onnx", "pt2", "safetensors")
+FORMATS = {"onnx": ("onnx", "onnxscript", "onnxruntime"), "pt2": (), "safetensors": ("safetensors.torch",)}
+"""Each format and the libraries of the export extra it needs (checked before anything is read)."""
 TOLERANCE = 1e-3
 """Largest |logit difference| allowed, relative to the largest |logit| (at least 1): fp32 kernels
 of two runtimes differ by rounding, 1e-6 to 1e-5 of it measured on ResNet-18 and this project's
@@ -50,12 +51,9 @@ def check_batch(model: Trained) -> tuple[torch.Tensor, str]:
             cfg = from_dict(model.config)
             if not data.plan(cfg, None, 1).stream:
                 images = data.load(cfg)[1].images[:CHECK_BATCH]
-                side = images.shape[-1]
-                o = (side - model.image_size) // 2
-                x = images[:, :, o : o + model.image_size, o : o + model.image_size].float()
-                mean = torch.tensor(model.mean).view(1, 3, 1, 1) * 255
-                std = torch.tensor(model.std).view(1, 3, 1, 1) * 255
-                return (x - mean) / std, f"{len(x)} images of the test split"
+                o = (images.shape[-1] - model.image_size) // 2  # the centre crop, as evaluation takes it
+                x = model.normalize(images[:, :, o : o + model.image_size, o : o + model.image_size])
+                return x, f"{len(x)} images of the test split"
         except (ConfigError, OSError):
             pass
     g = torch.Generator().manual_seed(0)
@@ -67,16 +65,16 @@ def write(model: Trained, fmt: str, out: Path, x: torch.Tensor) -> None:
     module = model.module.eval()
     batch = ({0: torch.export.Dim("batch", min=1, max=1 << 16)},)  # by position: models name their input differently
     if fmt == "safetensors":
-        save_file = needs("safetensors.torch", "--format safetensors").save_file
+        from safetensors.torch import save_file
+
         save_file({k: v.contiguous() for k, v in module.state_dict().items()}, str(out), metadata={META_KEY: about})
         out.with_suffix(".json").write_text(json.dumps(model.about(), indent=1) + "\n")
     elif fmt == "pt2":
         program = torch.export.export(module, (x,), dynamic_shapes=batch)
         torch.export.save(program, str(out), extra_files={f"{META_KEY}.json": about})
     else:
-        onnx = needs("onnx", "--format onnx")
-        needs("onnxscript", "--format onnx")
-        needs("onnxruntime", "--format onnx")
+        import onnx
+
         with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):  # the exporter prints its progress to stdout
             program = torch.onnx.export(module, (x,), dynamic_shapes=batch, dynamo=True, verbose=False)
         program.save(str(out))
@@ -89,7 +87,8 @@ def export(source: str, fmt: str, out: str | None, say=print) -> Path:
     """Write SOURCE as FMT, check it, and say what was written."""
     if fmt not in FORMATS:
         raise ConfigError(f"--format {fmt}: use one of {', '.join(FORMATS)}")
-    needs({"onnx": "onnxruntime", "pt2": "torch", "safetensors": "safetensors.torch"}[fmt], f"--format {fmt}")
+    for package in FORMATS[fmt]:
+        needs(package, f"--format {fmt}")
     model = open_trained(source)
     if model.module is None:
         raise ConfigError(f"{source} is an ONNX file; export from the checkpoint (a step-N folder or the run folder)")

@@ -94,7 +94,6 @@ class Augment:
         self.size = cfg.data.image_size or 32
         self.resized = not small(self.size)
         mean, std = norm or norm_stats(self.size)  # a pretrained start's own (trainer/worker/pretrained.py)
-        self.norm = (tuple(mean), tuple(std))
         self.mean = torch.tensor(mean, device=rt.device).view(1, 3, 1, 1) * 255
         self.inv_std = 1 / (torch.tensor(std, device=rt.device).view(1, 3, 1, 1) * 255)
         self._drawn: tuple[int, torch.Tensor, torch.Tensor] | None = None

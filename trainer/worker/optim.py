@@ -10,7 +10,7 @@ from torch import nn
 from trainer.config import Config
 
 
-def param_groups(model: nn.Module, cfg: Config, head: set[str] | None = None) -> list[dict]:
+def param_groups(model: nn.Module, cfg: Config, head: frozenset[str] | None = None) -> list[dict]:
     """Weights get lr and weight decay; biases and norm parameters (1-D) get lr x bias_lr_scale and
     weight decay / bias_lr_scale, so their decay per step (lr x wd) is the same. With a pretrained
     start (``head``: the new head's parameter names) the other, pretrained, parameters get their own

@@ -112,9 +112,9 @@ def _batch(items: list) -> tuple:
             [(it[2], it[3]) for it in items if it[0] is None], [it[1] for it in decoded + raws])
 
 
-def decode_jpegs(raws: tuple[torch.Tensor, list[int]], names: list[str], size: int, device: torch.device):
-    """A batch of JPEGs on the GPU: (float [n, 3, size, size] 0-255 centre crops, their names,
-    [(unreadable, why)]). One nvjpeg call; where one image fails it, each alone finds which."""
+def decode_jpegs(raws: tuple[torch.Tensor, list[int]], size: int, device: torch.device) -> tuple[torch.Tensor | None, list[bool]]:
+    """A batch of JPEGs on the GPU: (float [n, 3, size, size] 0-255 centre crops of those that
+    decoded, which did). One nvjpeg call; where one image fails it, each alone finds which."""
     from torchvision.io import ImageReadMode, decode_jpeg
 
     from trainer.worker.stream import boxes, crop_batch
@@ -129,13 +129,12 @@ def decode_jpegs(raws: tuple[torch.Tensor, list[int]], names: list[str], size: i
                 images.append(decode_jpeg(raw, mode=ImageReadMode.RGB, device=device))
             except RuntimeError:
                 images.append(None)
-    bad = [(n, "a JPEG nvjpeg cannot decode") for n, im in zip(names, images, strict=True) if im is None]
-    names = [n for n, im in zip(names, images, strict=True) if im is not None]
+    decoded = [im is not None for im in images]
     images = [im for im in images if im is not None]
     if not images:
-        return None, names, bad
+        return None, decoded
     at, mirror = boxes(images, size, None, False)
-    return crop_batch(images, at, mirror, size), names, bad
+    return crop_batch(images, at, mirror, size), decoded
 
 
 @dataclass
@@ -152,8 +151,6 @@ def predict(model: Trained, refs: list[tuple], top_k: int, batch_size: int, work
     model.to(device)
     if cuda:
         model.module.to(memory_format=torch.channels_last)
-    mean = torch.tensor(model.mean, device=device).view(1, 3, 1, 1) * 255
-    inv_std = 1 / (torch.tensor(model.std, device=device).view(1, 3, 1, 1) * 255)
     k = min(top_k, len(model.classes))
     raw = cuda if jpegs_on_device is None else jpegs_on_device
     loader = DataLoader(Images(refs, model.image_size, raw_jpegs=raw), batch_size=batch_size, num_workers=workers, collate_fn=_batch,
@@ -161,10 +158,10 @@ def predict(model: Trained, refs: list[tuple], top_k: int, batch_size: int, work
     for decoded, names, raws, raw_names, bad, at in loader:
         parts = [] if decoded is None else [decoded.to(device, non_blocking=True).float()]
         if raw_names:
-            on_gpu, kept, more = decode_jpegs(raws, raw_names, model.image_size, device)
-            bad += more
-            at = at[: len(names)] + [i for i, n in zip(at[len(names) :], raw_names, strict=True) if n in kept]
-            names += kept
+            on_gpu, decoded = decode_jpegs(raws, model.image_size, device)
+            bad += [(n, "a JPEG nvjpeg cannot decode") for n, ok in zip(raw_names, decoded, strict=True) if not ok]
+            at = at[: len(names)] + [i for i, ok in zip(at[len(names) :], decoded, strict=True) if ok]
+            names += [n for n, ok in zip(raw_names, decoded, strict=True) if ok]
             parts += [] if on_gpu is None else [on_gpu]
         for name, why in bad:
             say(f"skipped {name}: not a readable image ({why})")
@@ -175,7 +172,7 @@ def predict(model: Trained, refs: list[tuple], top_k: int, batch_size: int, work
         x = (torch.cat(parts) if len(parts) > 1 else parts[0])[torch.tensor(order, device=device)]
         if cuda:
             x = x.contiguous(memory_format=torch.channels_last)
-        x = x.sub_(mean).mul_(inv_std)
+        x = model.normalize(x)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
             probs = model.logits(x).float().softmax(1)
         p, c = probs.topk(k, dim=1)

@@ -20,12 +20,14 @@ by its JSON beside it; any other file by ImageNet's (torchvision's convention fo
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.config import CIFAR_MODELS, ConfigError
+from trainer.contract import one_line
 from trainer.worker.data import IMAGENET_MEAN, IMAGENET_STD, machine_lock, norm_stats
 
 FILE_SUFFIXES = (".pth", ".pt", ".safetensors")
@@ -98,8 +100,7 @@ def _file(spec: str) -> Weights:
         raise ConfigError(f"model.weights={spec} does not exist; give a .pth/.pt/.safetensors file, a step-N folder, "
                           "or a weights name (`trainer models` lists each model's)")
     if path.is_dir():
-        if not (path / files.META).is_file() and (newest := files.newest_complete(path)) is not None:
-            path = newest  # a run folder: its newest complete checkpoint
+        path = files.given(path)
         if not (path / files.META).is_file():
             raise ConfigError(f"model.weights={spec} is a folder but no checkpoint of this trainer (no {files.META}); "
                               "give a step-N folder, a run folder or a weights file")
@@ -147,7 +148,7 @@ def fetch(w: Weights) -> None:
         try:
             torch.hub.download_url_to_file(w.url, str(w.path), prefix.group(1) if prefix else None, progress=False)
         except (OSError, RuntimeError, ValueError) as e:  # no network (URLError is an OSError), or a hash mismatch
-            why = " ".join(str(getattr(e, "reason", e)).split())[:100]
+            why = one_line(getattr(e, "reason", e), 100)
             raise ConfigError(f"model.weights={w.spec}: {w.path.name} is not in {folder} and could not be downloaded ({why}); "
                               f"download {w.url} where there is a network and put it in {folder} (TORCH_HOME moves that folder)") from None
 
@@ -171,7 +172,7 @@ def state_dict(w: Weights) -> dict:
         try:
             state = torch.load(w.path, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 - whatever the file is, it is not a state dict torch reads safely
-            why = " ".join(str(e).split())[:100]
+            why = one_line(e, 100)
             raise ConfigError(f"model.weights={w.spec} is not a state dict torch can read ({why}); give a .pth of tensors, "
                               "a safetensors file or a step-N folder") from None
         for key in ("state_dict", "model", "model_state_dict"):  # the usual wrappers of training scripts
@@ -182,8 +183,10 @@ def state_dict(w: Weights) -> dict:
     return {re.sub(r"^(module\.|_orig_mod\.)+", "", k): v for k, v in state.items()}
 
 
-def head_keys(model_name: str, image_size: int) -> set[str]:
-    """The classifier head's tensors: those whose shapes change with the number of classes."""
+@functools.cache
+def head_keys(model_name: str, image_size: int) -> frozenset[str]:
+    """The classifier head's tensors: those whose shapes change with the number of classes (found
+    once per process: a fresh start's load and its optimizer both ask)."""
     import torch
 
     from trainer.worker import models
@@ -191,10 +194,10 @@ def head_keys(model_name: str, image_size: int) -> set[str]:
     with torch.device("meta"), models.ShapesOnly():
         a = models.build(model_name, 10, image_size).state_dict()
         b = models.build(model_name, 11, image_size).state_dict()
-    return {k for k, v in a.items() if k not in b or b[k].shape != v.shape}
+    return frozenset(k for k, v in a.items() if k not in b or b[k].shape != v.shape)
 
 
-def fit(w: Weights, source: dict, target: dict, head: set[str], model_name: str) -> dict:
+def fit(w: Weights, source: dict, target: dict, head: frozenset[str], model_name: str) -> dict:
     """The tensors of ``source`` to load into a model whose state dict is ``target`` (shapes
     only): all but the head's. ConfigError naming the first keys that do not fit."""
     missing = [k for k in target if k not in head and k not in source]

@@ -230,11 +230,14 @@ class ShardSet:
 
     def __getitem__(self, i: int) -> tuple[bytes, int, str]:
         shard, offset, size, label = self.rows[i].tolist()
-        return os.pread(self._fd(shard), size, offset), label, self.name(i)
+        return os.pread(self._fd(shard), size, offset), label, self._name(shard, i)
 
     def name(self, i: int) -> str:
         """Sample ``i``'s name (shard:index), read from the offset table alone."""
-        return f"{self.urls[int(self.rows[i][0])]}:{i:09d}"
+        return self._name(int(self.rows[i][0]), i)
+
+    def _name(self, shard: int, i: int) -> str:
+        return f"{self.urls[shard]}:{i:09d}"
 
     def __iter__(self) -> Iterator[tuple[bytes, int, str]]:
         return (self[i] for i in range(len(self)))

@@ -60,6 +60,13 @@ class Trained:
             self.module.to(device)
         return self
 
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """Images of 0-255 as the model takes them, on their device and in their layout (uint8 into
+        a new float tensor; float in place)."""
+        mean = torch.tensor(self.mean, device=x.device).view(1, 3, 1, 1) * 255
+        inv_std = 1 / (torch.tensor(self.std, device=x.device).view(1, 3, 1, 1) * 255)
+        return (x if x.is_floating_point() else x.float()).sub_(mean).mul_(inv_std)
+
     @torch.no_grad()
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Logits of a normalised batch (float32 on the CPU for ONNX; any device a module is on)."""
@@ -98,8 +105,7 @@ def _checkpoint(path: Path) -> Trained:
     from trainer.worker import pretrained
     from trainer.worker.checkpoint import store
 
-    if not (path / files.META).is_file() and (newest := files.newest_complete(path)) is not None:
-        path = newest
+    path = files.given(path)
     if not (path / files.META).is_file():
         raise ConfigError(f"{path} is not a checkpoint and holds none (no {files.META}); give a step-N folder or the run folder of trainer train")
     folder, about, _ = store.open_checkpoint(path, verify=True)

@@ -55,6 +55,14 @@ def newest_complete(root: Path) -> Path | None:
     return found[-1][1] if found else None
 
 
+def given(path: Path) -> Path:
+    """The checkpoint a user names: a step-N folder as it is, a run folder's newest complete one
+    (anything else as it is: its reader says what it is not)."""
+    if path.is_dir() and not (path / META).is_file() and (newest := newest_complete(path)) is not None:
+        return newest
+    return path
+
+
 def read_meta(folder: Path) -> dict:
     try:
         return json.loads((folder / META).read_text())
