@@ -1,6 +1,6 @@
 """trainer predict and trainer export, timed as a user runs them (BENCHMARKS.md, "Predict and export").
 
-    python -m bench.predict OUT --cifar DIR [--images 10240] [--batch 256] [--workers 8]
+    python -m bench.predict OUT --cifar DIR [--images 10240] [--batch 256] [--workers 8] [--before TREE] [--predict-only]
 
 Makes ``--images`` photo-like JPEGs (500x375, about 100 KB: bench/data.py's) from the CIFAR-10
 tarballs in DIR, and a ResNet-50 with random weights as a safetensors export (real ImageNet weights
@@ -8,6 +8,8 @@ cannot be downloaded on these machines; the speed is the same). Then, each as a 
 
 - ``trainer predict`` on the folder, and a plain torchvision script beside it (ImageFolder with
   Resize and CenterCrop, a DataLoader with the same batch and workers, ``model.eval()``): images/s;
+  with ``--before TREE`` (a copy of an earlier commit's tree), that tree's ``trainer predict`` too,
+  the three taking turns;
 - ``trainer export`` to ONNX and to .pt2: seconds;
 - onnxruntime's CPU images/s beside PyTorch's on the CPU (batch 32, every core).
 
@@ -102,7 +104,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--images", type=int, default=10240)
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--before", type=Path, help="an earlier commit's tree: its trainer predict timed beside")
+    p.add_argument("--predict-only", action="store_true", help="no export and runtime cases")
     a = p.parse_args(argv)
+    a.out = a.out.resolve()
     from bench.data import make_set
 
     a.out.mkdir(parents=True, exist_ok=True)
@@ -113,16 +118,26 @@ def main(argv: list[str]) -> int:
     folder = photos / "train"
     n = sum(1 for _ in folder.rglob("*.jpg"))
     trainer = [sys.executable, "-m", "trainer"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    for case in ("plain", "predict", "plain", "predict"):  # each twice, alternating: the page cache warm for both
-        if case == "predict":
-            took, q = timed([*trainer, "predict", str(weights), str(folder), "--batch-size", str(a.batch), "-q", "--out", str(a.out / "p.jsonl")], env=env)
-            assert f"{n} image(s) predicted" in q.stderr, q.stderr
-        else:
+    # Python's bytecode cache where the installed one cannot be written (a read-only or --no-compile
+    # install: every command then compiled torch's imports, 11 s on the GPU host), as a pip-installed
+    # venv has it; written once here, before the clock, for both scripts' imports.
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPYCACHEPREFIX": os.environ.get("PYTHONPYCACHEPREFIX", str(a.out / "pycache"))}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    timed([sys.executable, "-c", "import torch, torchvision, safetensors.torch, trainer.launch.cli, trainer.worker.predict"], env=env)
+    cases = ["plain", "predict"] + (["before"] if a.before else [])
+    for case in cases * 2:  # each twice, taking turns: the page cache warm for all
+        if case == "plain":
             took, q = timed([sys.executable, "-c", PLAIN, str(folder), str(weights), str(a.batch), str(a.workers)], env=env)
             assert q.stdout.strip() == str(n), q.stdout
+        else:
+            tree = a.before.resolve() if case == "before" else Path.cwd()
+            took, q = timed([*trainer, "predict", str(weights), str(folder), "--batch-size", str(a.batch), "-q", "--out", str(a.out / "p.jsonl")],
+                            env={**env, "PYTHONPATH": os.pathsep.join([str(tree), env.get("PYTHONPATH", "")])}, cwd=tree)
+            assert f"{n} image(s) predicted" in q.stderr, q.stderr
         print(json.dumps({"case": f"{case}, resnet50 224 px, photo-like JPEGs", "images": n, "batch": a.batch, "workers": a.workers,
                           "seconds": round(took, 2), "images_per_s": round(n / took, 1)}), flush=True)
+    if a.predict_only:
+        return 0
     for fmt in ("onnx", "pt2"):
         took, q = timed([*trainer, "export", str(weights), "--format", fmt, "--out", str(a.out / f"resnet50.{fmt}")], env=env)
         print(json.dumps({"case": f"export {fmt}, resnet50", "command_s": round(took, 2), "line": q.stderr.strip().splitlines()[-1]}), flush=True)

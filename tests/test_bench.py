@@ -116,3 +116,8 @@ def test_the_predict_bench_times_predict_beside_a_plain_script_and_the_exports(t
     assert [r["case"].split(",")[0] for r in rows] == ["plain", "predict", "plain", "predict", "export onnx", "export pt2", "cpu runtimes"]
     assert all(r["images"] == 20 and r["images_per_s"] > 0 for r in rows[:4])
     assert all("largest logit difference" in r["line"] for r in rows[4:6]) and rows[6]["onnxruntime_images_per_s"] > 0
+    # --before TREE: an earlier tree's predict takes turns with this one's (here the same tree)
+    p = run([sys.executable, "-m", "bench.predict", str(tmp_path / "out"), "--cifar", str(cifar), "--images", "20", "--batch", "8",
+             "--workers", "1", "--before", str(ROOT), "--predict-only"], cwd=ROOT, timeout=1200)
+    rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    assert [r["case"].split(",")[0] for r in rows] == ["plain", "predict", "before", "plain", "predict", "before"]

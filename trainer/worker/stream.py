@@ -338,8 +338,9 @@ class DecodeAhead:
             out, done = got
             if main is not None:  # the step's stream waits for the decode; the memory is not reused before the step is done
                 main.wait_event(done)
-                for t in out[:3]:
-                    t.record_stream(main)
+                for t in out:
+                    if isinstance(t, torch.Tensor):
+                        t.record_stream(main)
             yield out
 
     def close(self) -> None:
