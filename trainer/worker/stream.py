@@ -313,7 +313,11 @@ class DecodeAhead:
                     out = prepare(item)
                     done = torch.cuda.Event() if self._cuda else None
                     if done is not None:
+                        # wait until the side stream has read this batch: torchvision's nvjpeg writes the
+                        # next batch's images on a stream of its own, into memory this batch's crop may
+                        # still be reading (the allocator reuses it in the side stream's order alone)
                         done.record(self._side)
+                        done.synchronize()
                     if not self._put((out, done)):
                         return
             self._put(None)
