@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -228,6 +229,21 @@ def tree_files(folder: Path) -> dict[str, tuple[int, int]]:
     if not folder.exists():
         return {}
     return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*") if p.is_file() and p.name != ".lock"}
+
+
+@pytest.fixture
+def warned(capsys):
+    """Asserts that the code before said one warning line on stderr matching a pattern, and no
+    Python warning (trainer.contract.warn: one line, no source line under it)."""
+
+    def check(pattern: str) -> str:
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if line.startswith("warning: ")]
+        assert any(re.search(pattern, line) for line in lines), err
+        assert "Warning:" not in err and "warnings.warn" not in err, err
+        return err
+
+    return check
 
 
 @pytest.fixture

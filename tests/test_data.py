@@ -66,11 +66,11 @@ def test_imagefolder_reads_tarballs_and_resizes(tmp_path):
     assert list(root.glob("*.uint8.pt")), "decoded once into a cache beside the data"
 
 
-def test_corrupt_images_are_skipped_with_a_warning(tmp_path):
+def test_corrupt_images_are_skipped_with_a_warning(tmp_path, warned):
     root = make_folder(tmp_path / "d")
     (root / "train" / "red" / "broken.jpg").write_bytes(b"\xff\xd8not a jpeg")
-    with pytest.warns(UserWarning, match="skipped 1 unreadable image.*broken.jpg"):
-        train, _ = data.load(cfg_for(root, tmp_path))
+    train, _ = data.load(cfg_for(root, tmp_path))
+    warned("skipped 1 unreadable image.*broken.jpg")
     assert len(train) == 12
 
 
@@ -132,14 +132,14 @@ def test_a_broken_archive_is_one_line_and_exit_2_for_check_and_launch(tmp_path, 
         assert "Traceback" not in p.stderr and "Aborted" not in p.stderr + p.stdout
 
 
-def test_a_damaged_cache_is_rebuilt_with_a_warning(tmp_path):
+def test_a_damaged_cache_is_rebuilt_with_a_warning(tmp_path, warned):
     root = make_folder(tmp_path / "d")
     cfg = cfg_for(root, tmp_path)
     first, _ = data.load(cfg)
     cache = next(root.glob("*.uint8.pt"))
     cache.write_bytes(cache.read_bytes()[: cache.stat().st_size // 3])
-    with pytest.warns(UserWarning, match="is damaged .*decoding the data set again"):
-        again, _ = data.load(cfg)
+    again, _ = data.load(cfg)
+    warned("is damaged .*decoding the data set again")
     assert torch.equal(again.images, first.images) and torch.equal(again.labels, first.labels)
     assert torch.equal(data.load(cfg)[0].images, first.images)  # and the new cache loads
 
@@ -148,7 +148,7 @@ def test_a_folder_of_only_unreadable_images_says_so(tmp_path):
     root = make_folder(tmp_path / "d")
     for f in (root / "train").rglob("*.*"):
         f.write_bytes(b"not an image")
-    with pytest.raises(ConfigError, match=r"train: none of its 12 image files could be decoded \(first: .*\); replace them"), pytest.warns(UserWarning):
+    with pytest.raises(ConfigError, match=r"train: none of its 12 image files could be decoded \(first: .*\); replace them"):
         data.load(cfg_for(root, tmp_path))
 
 
@@ -177,12 +177,12 @@ def test_large_images_are_stored_at_8_7_of_the_size_resized_and_centre_cropped(t
     assert "84 px (data.image_size)" in plan.describe(3, 3, 3) and "in memory, in host memory" in plan.path_why
 
 
-def test_grayscale_cmyk_and_transparent_images_load_as_rgb(tmp_path):
+def test_grayscale_cmyk_and_transparent_images_load_as_rgb(tmp_path, warned):
     from test_shards import odd_images
 
     root = odd_images(tmp_path / "d")
-    with pytest.warns(UserWarning, match="skipped 1 unreadable"):
-        train, test = data.load(cfg_for(root, tmp_path, "data.image_size=32"))
+    train, test = data.load(cfg_for(root, tmp_path, "data.image_size=32"))
+    warned("skipped 1 unreadable")
     assert train.images.shape == (36, 3, 32, 32) and train.classes == ["alpha", "cmyk", "gray"]
     alpha = train.images[train.labels == 0][:3]  # the PNGs: their clear left half is white, not black
     assert alpha[:, :, :, :12].float().mean() > 240
@@ -230,3 +230,18 @@ def test_a_checkpoint_of_other_classes_is_refused_by_resume_and_eval_in_one_line
         assert "was trained on other classes ('red' is 'yellow' here); point data.dir at the data it was trained on" in errors[0]
     p = run(trainer_cmd("eval", str(tmp_path / "ck"), f"data.dir={a}"))
     assert "test accuracy" in p.stdout
+
+
+def test_a_16_bit_png_trains_as_its_image_scaled_to_8_bits_and_float_pixels_are_named_and_skipped(tmp_path, warned):
+    """PIL's own convert clips 16-bit pixels: every value above 255 would train as white."""
+    import numpy as np
+
+    root = make_folder(tmp_path / "d")
+    ramp = (np.arange(32 * 32, dtype=np.uint16).reshape(32, 32) * 64).astype("<u2")  # 0 .. 65472, a 16-bit ramp
+    Image.frombytes("I;16", (32, 32), ramp.tobytes()).save(root / "train" / "red" / "deep.png")
+    Image.fromarray(ramp.astype(np.float32)).save(root / "train" / "red" / "float.tif")
+    train, _ = data.load(cfg_for(root, tmp_path))
+    warned(r"skipped 1 unreadable image.*float.tif")
+    deep = train.images[next(i for i, p in enumerate(train.paths) if p.endswith("deep.png"))]
+    expect = torch.from_numpy((ramp / 257).round().astype(np.uint8))
+    assert all((deep[c].int() - expect.int()).abs().max() <= 1 for c in range(3)), deep[0, :2, :8]

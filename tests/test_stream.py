@@ -96,8 +96,7 @@ def test_a_damaged_jpeg_in_a_shard_is_skipped_counted_and_past_the_limit_stops(s
 def test_odd_images_stream_as_rgb(tmp_path):
     from trainer.worker.stream import decode_crop_cpu, read
 
-    with pytest.warns(UserWarning):
-        write(odd_images(tmp_path / "img"), tmp_path / "sh", max_side=128)
+    write(odd_images(tmp_path / "img"), tmp_path / "sh", max_side=128)
     raws, labels, where = read(ShardSet(tmp_path / "sh", "train"), range(36))
     x, y, bad = decode_crop_cpu(raws, labels, where, 32, None, False)
     assert x.shape == (36, 3, 32, 32) and not bad and torch.equal(y, labels)
@@ -118,8 +117,7 @@ def test_the_gpu_paths_batch_crop_matches_the_cpu_workers_per_image_crops(tmp_pa
     assert name not in where or bad == [name]
     assert (x - cx.float()).abs().mean() < 3  # 0-255 levels: averaged bilinear samples against an antialiased resize
 
-    with pytest.warns(UserWarning):
-        write(odd_images(tmp_path / "odd"), tmp_path / "odd-sh", max_side=128)
+    write(odd_images(tmp_path / "odd"), tmp_path / "odd-sh", max_side=128)
     raws, _, _ = read(ShardSet(tmp_path / "odd-sh", "train"), range(12))
     images = [decode_cpu(r) for r in raws]
     assert len({im.shape for im in images}) > 1  # mixed sizes: padded into one batch

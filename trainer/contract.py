@@ -145,6 +145,12 @@ def say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+def warn(line: str) -> None:
+    """A warning as one console line. Python's warnings module would print its source line under
+    it and a category name a user cannot act on."""
+    say("warning: " + one_line(line, 1000))
+
+
 def one_line(text: str, limit: int = 300) -> str:
     """An error's text squeezed onto one console line: whitespace runs made one space, cut at ``limit``."""
     return " ".join(str(text).split())[:limit]

@@ -26,12 +26,12 @@ import json
 import os
 import platform
 import shutil
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from trainer.contract import warn
 from trainer.files import replacing, sha256
 
 FOLDER = "compile-cache"
@@ -93,7 +93,7 @@ def check(root: Path, name: str) -> str:
         problem = f"unreadable {MANIFEST} ({e.__class__.__name__})"
     if problem is None:
         return f"warm ({len(entries)} files)"
-    warnings.warn(f"ignoring the damaged compile cache {d} ({problem}); compiling from scratch", stacklevel=2)
+    warn(f"ignoring the damaged compile cache {d} ({problem}); compiling from scratch")
     aside = d.with_name(f"{name}.damaged-{os.getpid()}")
     os.replace(d, aside)
     shutil.rmtree(aside, ignore_errors=True)
@@ -110,7 +110,7 @@ def seal(root: Path, name: str) -> int:
         with replacing(d / MANIFEST) as tmp:
             tmp.write_text(json.dumps({"key": name, "torch": torch.__version__, "files": entries}, indent=0))
     except OSError as e:
-        warnings.warn(f"could not seal the compile cache {d} ({e.__class__.__name__}: {e}); the next start compiles again", stacklevel=2)
+        warn(f"could not seal the compile cache {d} ({e.__class__.__name__}: {e}); the next start compiles again")
         return 0
     sealed = [p.parent for p in (root / FOLDER).glob(f"*/{MANIFEST}")]
     for old in sorted(sealed, key=lambda p: (p / MANIFEST).stat().st_mtime, reverse=True)[KEEP:]:

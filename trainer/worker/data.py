@@ -21,13 +21,12 @@ import io
 import os
 import tempfile
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from trainer.config import Config, ConfigError
-from trainer.contract import one_line, say
+from trainer.contract import one_line, say, warn
 from trainer.files import flock, replacing
 from trainer.worker.folders import IMAGE_SUFFIXES, _archive, check_same_classes, find_source, members, resize_center, to_rgb
 
@@ -131,7 +130,7 @@ def _cached(cfg: Config, key: str, build) -> tuple[Split, Split]:
     ready = _cache_file(cfg, key)
     folder = ready.parent if ready else next((c for c in candidates if _writable(c)), None)
     if folder is None:
-        warnings.warn(f"no writable cache folder among {[str(c) for c in candidates]}; decoding without a cache", stacklevel=2)
+        warn(f"no writable cache folder among {[str(c) for c in candidates]}; decoding without a cache")
         return build()
     path = folder / f"{key}.uint8.pt"
     with machine_lock(folder, "cache"):  # read-only folder: the lock lives in the temp folder
@@ -146,7 +145,7 @@ def _cached(cfg: Config, key: str, build) -> tuple[Split, Split]:
         return Split(blob["train_x"], blob["train_y"], classes), Split(blob["test_x"], blob["test_y"], classes, blob.get("test_paths"))
     except Exception as e:  # noqa: BLE001 - a cut-short or overwritten cache: any load error means the same
         why = one_line(e, 100)
-        warnings.warn(f"the data cache {path} is damaged ({e.__class__.__name__}: {why}); decoding the data set again", stacklevel=2)
+        warn(f"the data cache {path} is damaged ({e.__class__.__name__}: {why}); decoding the data set again")
         with machine_lock(folder, "cache"):
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
@@ -229,7 +228,7 @@ def _decode(items, source: Path, side: int) -> tuple[torch.Tensor, list[str], li
             bad.append(name)
     if bad:
         more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
-        warnings.warn(f"skipped {len(bad)} unreadable image(s): {', '.join(bad[:3])}{more}", stacklevel=2)
+        warn(f"skipped {len(bad)} unreadable image(s): {', '.join(bad[:3])}{more}")
     say(f"  decoded {len(images):,} images of {source.name} in {time.monotonic() - t0:.1f} s")
     if not images and bad:
         raise ConfigError(f"{source}: none of its {len(bad)} image files could be decoded (first: {bad[0]}); replace them with readable images")

@@ -12,7 +12,7 @@ from pathlib import Path
 from trainer.config import ConfigError
 from trainer.contract import one_line
 
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 
 
 def find_source(root: Path, split: str) -> Path:
@@ -52,9 +52,18 @@ def members(source: Path):
 
 def to_rgb(im):
     """A PIL image as 8-bit RGB: grayscale, palette and CMYK converted; transparency laid over
-    white (what a viewer shows), not dropped to whatever colour the transparent pixels hold."""
+    white (what a viewer shows), not dropped to whatever colour the transparent pixels hold.
+    16-bit grayscale (a PNG's or TIFF's modes I;16 and I) is scaled to 8 bits: PIL's own convert
+    clips it, and every pixel above 255 trains as white. Floating-point pixels (mode F) have no
+    range to scale from: ValueError, so the image is skipped and named."""
     from PIL import Image
 
+    if im.mode.startswith("I;16") or im.mode == "I":
+        if im.mode == "I" and im.getextrema()[1] > 65535:
+            raise ValueError("32-bit integer pixels: save it as an 8- or 16-bit image")
+        im = im.convert("I").point(lambda v: v * (1 / 257)).convert("L")
+    elif im.mode == "F":
+        raise ValueError("floating-point pixels (mode F): save it as an 8- or 16-bit image")
     if im.mode in ("RGBA", "LA", "PA") or (im.mode == "P" and "transparency" in im.info):
         im = im.convert("RGBA")
         white = Image.new("RGBA", im.size, (255, 255, 255, 255))

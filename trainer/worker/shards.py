@@ -27,14 +27,13 @@ import io
 import json
 import os
 import time
-import warnings
 from collections import OrderedDict
 from collections.abc import Iterator
 from multiprocessing import get_context
 from pathlib import Path
 
 from trainer.config import ConfigError
-from trainer.contract import one_line, say
+from trainer.contract import one_line, say, warn
 
 KIND = "wids-shard-index-v1"
 MAX_COUNT = 10_000
@@ -111,7 +110,7 @@ def _write_split(source: Path, out: Path, split: str, max_side: int, workers: in
                 say(f"  {split}: {len(sides):,} images in {last - t0:.0f} s")
     if bad:
         more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
-        warnings.warn(f"skipped {len(bad)} unreadable image(s) of {split}: {'; '.join(bad[:3])}{more}", stacklevel=3)
+        warn(f"skipped {len(bad)} unreadable image(s) of {split}: {'; '.join(bad[:3])}{more}")
     if not sides:
         raise ConfigError(f"{source} holds no readable images; expected {source}/<class>/<image>")
     index = {"__kind__": KIND, "wids_version": 1, "name": split, "classes": sorted(classes), "images": len(sides), "skipped": len(bad),

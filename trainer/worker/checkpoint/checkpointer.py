@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import torch
 
 from trainer.config import Config
 from trainer.config_loader import to_dict
+from trainer.contract import warn
 from trainer.worker.checkpoint import folder as files
 from trainer.worker.checkpoint import store
 from trainer.worker.checkpoint.lock import FolderLock
@@ -147,7 +147,7 @@ class Checkpointer:
             self._thread = None
         if self._error is not None:
             err, self._error = self._error, None
-            warnings.warn(f"background checkpoint write failed: {err}", stacklevel=2)
+            warn(f"background checkpoint write failed: {err}")
             raise err
 
     def close(self) -> None:
