@@ -59,6 +59,17 @@ def test_train_and_test_with_other_classes_is_refused(tmp_path):
     (root / "test" / "class9").rename(root / "test" / "zebra")
     with pytest.raises(ConfigError, match=r"different classes \(only in train: class9; only in test: zebra\)"):
         shards.write(root, tmp_path / "sh")
+    assert not list((tmp_path / "sh").iterdir())  # nothing half-written left
+
+
+def test_a_failed_write_keeps_the_shards_there_were(tmp_path):
+    root = make_jpegs(tmp_path / "img", train=3, test=2)
+    shards.write(root, tmp_path / "sh")
+    before = {f.name: f.read_bytes() for f in (tmp_path / "sh").iterdir()}
+    (root / "test" / "class9").rename(root / "test" / "zebra")
+    with pytest.raises(ConfigError, match="different classes"):
+        shards.write(root, tmp_path / "sh")
+    assert {f.name: f.read_bytes() for f in (tmp_path / "sh").iterdir()} == before
 
 
 def test_missing_cut_or_foreign_shards_are_one_line_and_exit_2(tmp_path):
@@ -68,8 +79,16 @@ def test_missing_cut_or_foreign_shards_are_one_line_and_exit_2(tmp_path):
     args = ["data.name=shards", f"data.dir={sh}", f"checkpoint.dir={tmp_path / 'ck'}", "model.name=tinynet"]
     tar = next(sh.glob("train-*.tar"))
     whole = tar.read_bytes()
-    for damage, words in (("cut", "is cut short or replaced"), ("gone", "is missing or unreadable"), ("no index", "train.json does not exist")):
-        if damage == "cut":
+    table = sh / "train.offsets.npy"
+    cases = (("cut", "is cut short or replaced"), ("gone", "is missing or unreadable"), ("no index", "train.json does not exist"),
+             ("no offsets", f"{table} is missing; write the shards again"), ("bad offsets", f"{table} is damaged ("))
+    for damage, words in cases:
+        if damage == "no offsets":
+            (sh / "train.json.bak").rename(sh / "train.json")
+            table.rename(sh / "offsets.bak")
+        elif damage == "bad offsets":
+            table.write_bytes(b"not numpy")
+        elif damage == "cut":
             tar.write_bytes(whole[: len(whole) // 2])
         elif damage == "gone":
             tar.unlink()

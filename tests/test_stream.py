@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, env, make_jpegs, run, torchrun_cmd
+from conftest import ROOT, env, make_jpegs, run, torchrun_cmd, trainer_cmd
 from test_shards import odd_images
 
 from trainer.config import ConfigError
@@ -91,6 +91,22 @@ def test_a_damaged_jpeg_in_a_shard_is_skipped_counted_and_past_the_limit_stops(s
             teardown()
         assert x.shape == (120, 3, 24, 24) and len(set(idx.tolist())) == 120  # the batch keeps its shape
         assert f"rank 0: skipped 1 image(s) that do not decode ({name}); 1 so far" in capsys.readouterr().err
+
+
+def test_random_bytes_in_a_shards_place_stop_the_run_in_one_line_naming_it(shard_dir, tmp_path):
+    """The error comes from a DataLoader worker, which wraps it in its traceback: the console gets
+    the error's own line, exit 2 (bad input)."""
+    import os
+
+    tar = next(shard_dir.glob("train-*.tar"))
+    tar.write_bytes(os.urandom(tar.stat().st_size))
+    p = run([*trainer_cmd("train", "data.name=shards", f"data.dir={shard_dir}", "data.loader=stream", "data.stream_workers=1",
+                          "train.batch_size=40", "train.epochs=1", "model.name=tinynet", "data.image_size=32", "model.compile=false", "train.plot=false",
+                          f"checkpoint.dir={tmp_path / 'ck'}")], check=False)
+    out = p.stdout + p.stderr
+    assert p.returncode == 2 and "Traceback" not in out and "DataLoader worker" not in out, out[-3000:]
+    assert p.stderr.strip().splitlines()[-1].startswith(f"error: no image of a batch decodes (first: {tar.name}:"), p.stderr[-1000:]
+    assert f"{tar.name} is damaged or not a shard; write the shards again with trainer data --shards" in p.stderr
 
 
 def test_odd_images_stream_as_rgb(tmp_path):

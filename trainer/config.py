@@ -22,6 +22,14 @@ from typing import Any, Literal
 class ConfigError(ValueError):
     """A usage error: bad key, type or value. The message is one line that names the fix."""
 
+    def __str__(self) -> str:
+        # raised in a DataLoader worker, it comes back as "Caught ConfigError in DataLoader worker
+        # process N." and the worker's traceback: its own line is the last
+        text = super().__str__()
+        if text.startswith("Caught ConfigError in DataLoader worker") and "ConfigError: " in text:
+            return text.rsplit("ConfigError: ", 1)[1].strip()
+        return text
+
 
 Strategy = Literal["auto", "cpu", "single", "dp", "ddp", "fsdp"]
 

@@ -26,6 +26,8 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
+import tempfile
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -78,10 +80,20 @@ def write(source_root: Path, out: Path, max_side: int = 512, workers: int | None
         raise ConfigError(f"{source_root} does not exist; point it at a folder of train/ and test/ class folders (or their .tar.gz)")
     out.mkdir(parents=True, exist_ok=True)
     workers = workers or max(1, min(16, os.cpu_count() or 1))
-    indexes = {split: _write_split(find_source(source_root, split), out, split, max_side, workers) for split in ("train", "test")}
-    check_same_classes(indexes["train"]["classes"], indexes["test"]["classes"], str(source_root))
-    for split, index in indexes.items():
-        (out / f"{split}.json").write_text(json.dumps(index, indent=1))
+    # written in a folder of their own, moved into place when both splits are whole: a failed or
+    # stopped write (a class mismatch, a full disk, Ctrl-C) leaves no part of a shard set behind
+    work = Path(tempfile.mkdtemp(prefix=".writing-", dir=out))
+    try:
+        indexes = {split: _write_split(find_source(source_root, split), work, split, max_side, workers) for split in ("train", "test")}
+        check_same_classes(indexes["train"]["classes"], indexes["test"]["classes"], str(source_root))
+        for split, index in indexes.items():
+            for old in out.glob(f"{split}-*.tar"):
+                old.unlink()
+            for f in [*sorted(work.glob(f"{split}-*.tar")), work / f"{split}.offsets.npy"]:
+                f.replace(out / f.name)
+            (out / f"{split}.json").write_text(json.dumps(index, indent=1))  # the index last: it names the shards
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return indexes
 
 
@@ -93,8 +105,6 @@ def _write_split(source: Path, out: Path, split: str, max_side: int, workers: in
 
     t0 = last = time.monotonic()
     sides, bad, classes = [], [], set()
-    for old in out.glob(f"{split}-*.tar"):
-        old.unlink()
     items = ((i, cls, name, raw, max_side) for i, (cls, name, raw) in enumerate(members(source)))
     with get_context("fork").Pool(workers) as pool, wds.ShardWriter(str(out / f"{split}-%06d.tar"), maxcount=MAX_COUNT, maxsize=MAX_BYTES,
                                                                      verbose=0) as sink:
@@ -201,11 +211,14 @@ class ShardSet:
         self.root, self.index = root, read_index(root, split)
         self.classes: list[str] = self.index["classes"]
         self.urls = [s["url"] for s in self.index["shardlist"]]
+        table = root / f"{split}.offsets.npy"
         try:
-            self.rows = np.load(root / f"{split}.offsets.npy", mmap_mode="r")
+            self.rows = np.load(table, mmap_mode="r")
+        except FileNotFoundError:
+            raise ConfigError(f"{table} is missing; write the shards again with trainer data --shards") from None
         except (OSError, ValueError) as e:
-            raise ConfigError(f"{root / (split + '.offsets.npy')} is missing or damaged ({one_line(e, 60)}); write the shards again "
-                              f"with trainer data --shards") from None
+            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            raise ConfigError(f"{table} is damaged ({one_line(why, 80)}); write the shards again with trainer data --shards") from None
         self.open: OrderedDict[int, int] = OrderedDict()
 
     def __len__(self) -> int:

@@ -134,7 +134,9 @@ def fill_bad(images: list, at: list, mirror: list, labels: torch.Tensor, bad: li
     for the count and the line. The batch keeps its shape (compiled steps and CUDA graphs need it)."""
     good = next((j for j in range(len(images)) if images[j] is not None), None)
     if good is None:
-        raise ConfigError(f"no image of a batch decodes (first: {where[0]}); the shards are damaged: write them again")
+        shard = where[0].split(":")[0]
+        raise ConfigError(f"no image of a batch decodes (first: {where[0]}): {shard} is damaged or not a shard; write the shards again "
+                          f"with trainer data --shards, or copy {shard} again")
     for j in bad:
         images[j], at[j], mirror[j], labels[j] = images[good], at[good], mirror[good], labels[good]
     return [where[j] for j in bad]
