@@ -145,13 +145,7 @@ class Prediction:
 
 def predict(model: Trained, refs: list[tuple], top_k: int, batch_size: int, workers: int, say=print, jpegs_on_device: bool | None = None):
     """Yields a Prediction per readable image, in order; an unreadable one is said and skipped.
-    ``jpegs_on_device``: JPEGs decoded by torchvision on the model's device (default: on a GPU).
-
-    Two overlaps keep the GPU busy: a thread decodes the next batches on a side stream while this
-    one runs the model (stream.DecodeAhead: nvjpeg holds its caller for the whole batch), and a
-    batch's top-k reach the host while the next batch runs (a read at once would wait for it)."""
-    from trainer.worker.stream import DecodeAhead
-
+    ``jpegs_on_device``: JPEGs decoded by torchvision on the model's device (default: on a GPU)."""
     cuda = torch.cuda.is_available() and model.session is None
     device = torch.device("cuda" if cuda else "cpu")
     model.to(device)
@@ -161,62 +155,29 @@ def predict(model: Trained, refs: list[tuple], top_k: int, batch_size: int, work
     raw = cuda if jpegs_on_device is None else jpegs_on_device
     loader = DataLoader(Images(refs, model.image_size, raw_jpegs=raw), batch_size=batch_size, num_workers=workers, collate_fn=_batch,
                         pin_memory=cuda, persistent_workers=False)
-    ahead = DecodeAhead(iter(loader), lambda batch: _on_device(batch, model.image_size, device), device)
-    pending = None
-    try:
-        for x, names, bad in ahead:
-            for name, why in bad:
-                say(f"skipped {name}: not a readable image ({why})")
-            if x is None:
-                continue
-            if cuda:
-                x = x.contiguous(memory_format=torch.channels_last)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-                probs = model.logits(model.normalize(x)).float().softmax(1)
-            p, c = probs.topk(k, dim=1)
-            top = torch.cat([p, c.float()], 1).to("cpu", non_blocking=cuda)
-            if pending is not None:
-                yield from _predictions(model, *pending)
-            pending = names, top, _recorded(cuda)
-        if pending is not None:
-            yield from _predictions(model, *pending)
-    finally:
-        ahead.close()
-
-
-def _on_device(batch: tuple, size: int, device: torch.device) -> tuple[torch.Tensor | None, list[str], list[tuple[str, str]]]:
-    """A loader's batch as (float 0-255 images on the device in the input's order, their names, the
-    unreadable ones with why): decoded by the workers, or JPEGs decoded here on the GPU."""
-    decoded, names, raws, raw_names, bad, at = batch
-    parts = [] if decoded is None else [decoded.to(device, non_blocking=True).float()]
-    if raw_names:
-        on_gpu, ok = decode_jpegs(raws, size, device)
-        bad += [(n, "a JPEG nvjpeg cannot decode") for n, fine in zip(raw_names, ok, strict=True) if not fine]
-        at = at[: len(names)] + [i for i, fine in zip(at[len(names) :], ok, strict=True) if fine]
-        names += [n for n, fine in zip(raw_names, ok, strict=True) if fine]
-        parts += [] if on_gpu is None else [on_gpu]
-    if not parts:
-        return None, [], bad
-    order = sorted(range(len(at)), key=at.__getitem__)  # the input's order
-    x = (torch.cat(parts) if len(parts) > 1 else parts[0])[torch.tensor(order, device=device)]
-    return x, [names[j] for j in order], bad
-
-
-def _recorded(cuda: bool):
-    """An event after the work queued so far (None on the CPU, where it is done already)."""
-    if not cuda:
-        return None
-    done = torch.cuda.Event()
-    done.record()
-    return done
-
-
-def _predictions(model: Trained, names: list[str], top: torch.Tensor, done) -> list[Prediction]:
-    if done is not None:
-        done.synchronize()
-    k = top.shape[1] // 2
-    p, c = top[:, :k].tolist(), top[:, k:].long().tolist()
-    return [Prediction(n, [(model.classes[j], q) for j, q in zip(cs, ps, strict=True)]) for n, ps, cs in zip(names, p, c, strict=True)]
+    for decoded, names, raws, raw_names, bad, at in loader:
+        parts = [] if decoded is None else [decoded.to(device, non_blocking=True).float()]
+        if raw_names:
+            on_gpu, decoded = decode_jpegs(raws, model.image_size, device)
+            bad += [(n, "a JPEG nvjpeg cannot decode") for n, ok in zip(raw_names, decoded, strict=True) if not ok]
+            at = at[: len(names)] + [i for i, ok in zip(at[len(names) :], decoded, strict=True) if ok]
+            names += [n for n, ok in zip(raw_names, decoded, strict=True) if ok]
+            parts += [] if on_gpu is None else [on_gpu]
+        for name, why in bad:
+            say(f"skipped {name}: not a readable image ({why})")
+        if not parts:
+            continue
+        order = sorted(range(len(at)), key=at.__getitem__)  # the input's order
+        names = [names[j] for j in order]
+        x = (torch.cat(parts) if len(parts) > 1 else parts[0])[torch.tensor(order, device=device)]
+        if cuda:
+            x = x.contiguous(memory_format=torch.channels_last)
+        x = model.normalize(x)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            probs = model.logits(x).float().softmax(1)
+        p, c = probs.topk(k, dim=1)
+        for name, ps, cs in zip(names, p.tolist(), c.tolist(), strict=True):
+            yield Prediction(name, [(model.classes[j], q) for j, q in zip(cs, ps, strict=True)])
 
 
 class Writer:
