@@ -55,3 +55,15 @@ def test_trainer_bench_outside_a_clone_says_where_the_benchmarks_are(tmp_path):
                        env={**env(), "PYTHONPATH": str(tmp_path)})
     errors = [line for line in p.stderr.splitlines() if line.strip()]
     assert p.returncode == 2 and len(errors) == 1 and "clone of the repository (bench/)" in errors[0] and "pip install -e ." in errors[0], p.stderr
+
+
+def test_launch_checks_a_resume_path_before_it_downloads_or_starts_anything(tmp_path):
+    """make run-local ARGS="checkpoint.resume=/nowhere/step-5": the one line comes first, not after a
+    download try and a torchrun start."""
+    from conftest import run
+
+    p = run([sys.executable, "-m", "trainer", "launch", "--nproc-per-node", "2", "--config", "auto", f"checkpoint.dir={tmp_path / 'ck'}",
+             f"data.dir={tmp_path / 'data'}", f"checkpoint.resume={tmp_path / 'nowhere' / 'step-5'}"], check=False)
+    assert p.returncode == 2 and p.stderr.strip().splitlines()[-1] == (
+        f"error: checkpoint.resume={tmp_path / 'nowhere' / 'step-5'} does not exist; pass a step-N folder, or checkpoint.resume=auto"), p.stderr
+    assert "torchrun" not in p.stderr and "download" not in p.stderr.lower() and not (tmp_path / "data").exists(), p.stderr

@@ -14,14 +14,10 @@ from trainer.worker.checkpoint.lock import FolderLock
 from trainer.worker.checkpoint.parts import state_bytes
 
 
-def preflight(cfg: Config) -> None:
-    """The checks a launcher can make once, before torchrun starts any worker: CUDA where asked
-    for, a resume path that exists and fits (its model and global batch), a data folder that holds
-    data the model can take, pretrained weights that are here (or downloaded) and fit the model;
-    then this machine's part: a writable checkpoint folder with room for keep + 1 checkpoints, no
-    other run holding it. The input comes first, so its error is the same
-    on every machine. Raises ConfigError (exit 2); writes nothing but the folder and its lock file."""
-    check_devices(cfg, torch.cuda.is_available())
+def resume_from(cfg: Config) -> Path | None:
+    """The checkpoint folder a start resumes from (None: a fresh start), checked: one that is named
+    exists, and its model and global batch fit. ConfigError (exit 2) otherwise. Cheap: the launcher
+    asks it before it downloads or decodes anything."""
     root = Path(cfg.checkpoint.dir)
     folder = checkpoint.explicit_resume(root, cfg.checkpoint.resume)
     if cfg.checkpoint.resume == "auto":
@@ -33,6 +29,19 @@ def preflight(cfg: Config) -> None:
             if meta.get("model"):
                 checkpoint.check_model(meta["model"], cfg.model.name, folder)
             checkpoint.check_global_batch(meta.get("batch_size"), cfg.train.batch_size, folder)
+    return folder
+
+
+def preflight(cfg: Config) -> None:
+    """The checks a launcher can make once, before torchrun starts any worker: CUDA where asked
+    for, a resume path that exists and fits (its model and global batch), a data folder that holds
+    data the model can take, pretrained weights that are here (or downloaded) and fit the model;
+    then this machine's part: a writable checkpoint folder with room for keep + 1 checkpoints, no
+    other run holding it. The input comes first, so its error is the same
+    on every machine. Raises ConfigError (exit 2); writes nothing but the folder and its lock file."""
+    check_devices(cfg, torch.cuda.is_available())
+    root = Path(cfg.checkpoint.dir)
+    folder = resume_from(cfg)
     d = cfg.data
     if d.name == "shards":
         from trainer.worker import shards

@@ -305,7 +305,10 @@ def launch(nproc_per_node, max_restarts, config_file, overrides):
         raise ConfigError(f"--nproc-per-node={nproc_per_node} must be a positive number or auto")
     check_devices(cfg, gpus > 0)
     check_batch(cfg, int(nproc_per_node))
+    from trainer.launch.check import resume_from
     from trainer.worker import data as datasets
+
+    resume_from(cfg)  # a resume path that is wrong: its line now, before a download or a decode
 
     plan = datasets.plan(cfg, None, int(nproc_per_node))  # data.image_size resolved, as the workers will
     if not plan.stream and not datasets.ready(cfg):
