@@ -238,12 +238,17 @@ class Stragglers:
 
     SLOWER = 1.5
     PERSIST = 3
+    PERSIST_S = 10.0
+    """And slow for this long: a hiccup of a shared host (1.5 s) spans several short intervals, and
+    is no straggler."""
     FLOOR_MS = 5.0
     """And at least this much slower: a few milliseconds of scheduling noise on tiny steps is no straggler."""
 
     def __init__(self, rt: Runtime, hosts: list[tuple[str, list[str]]]):
         self.rt, self.hosts = rt, hosts
         self.streak: dict[int, int] = {}
+        self.since: dict[int, float] = {}  # when each slow rank's streak began (the start of its first slow interval)
+        self.last = time.monotonic()
 
     def gather(self, own_ms: float) -> list[float]:
         """Every rank's figure (one small all-gather: call it at the same step on every rank)."""
@@ -254,23 +259,26 @@ class Stragglers:
         dist.all_gather(out, mine)
         return [round(float(t.item()), 3) for t in out]
 
-    def judge(self, per_rank: list[float]) -> tuple[dict, str]:
+    def judge(self, per_rank: list[float], now: float | None = None) -> tuple[dict, str]:
         """(fields for the log record, '' or the progress line's note naming a straggler)."""
+        now = time.monotonic() if now is None else now
         median = statistics.median(per_rank)
         slowest = max(range(len(per_rank)), key=per_rank.__getitem__)
         others = medians_of_the_others(per_rank)
         slow = {r for r, ref in others.items() if ref > 0 and per_rank[r] > self.SLOWER * ref and per_rank[r] - ref > self.FLOOR_MS}
         self.streak = {r: self.streak.get(r, 0) + 1 for r in slow}
+        self.since = {r: self.since.get(r, self.last) for r in slow}
+        self.last = now
         record = {"own_ms_median": round(median, 3), "own_ms_slowest": per_rank[slowest], "slowest_rank": slowest}
         if len(per_rank) <= 64:
             record["own_ms_per_rank"] = per_rank
-        named = [r for r, n in sorted(self.streak.items()) if n >= self.PERSIST]
+        named = [r for r, n in sorted(self.streak.items()) if n >= self.PERSIST and now - self.since[r] >= self.PERSIST_S]
         if not named:
             return record, ""
         record["stragglers"] = named
         host = lambda r: self.hosts[r][0] if r < len(self.hosts) else "?"  # noqa: E731
         return record, "straggler: " + ", ".join(f"rank {r} ({host(r)}) {per_rank[r] / others[r]:.1f}x the others' median "
-                                                 f"for {self.streak[r]} intervals" for r in named)
+                                                 f"for {now - self.since[r]:.0f} s ({self.streak[r]} intervals)" for r in named)
 
 
 def duration(seconds: float) -> str:
