@@ -101,7 +101,7 @@ def peak_memory(cmd: list[str]) -> dict:
         except OSError:
             return 0.0
 
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     root, anon, file = psutil.Process(p.pid), 0.0, 0.0
     while p.poll() is None:
         try:
@@ -111,7 +111,8 @@ def peak_memory(cmd: list[str]) -> dict:
         anon = max(anon, sum(field(q.pid, "RssAnon") for q in tree))
         file = max(file, sum(field(q.pid, "RssFile") for q in tree))
         time.sleep(0.2)
-    return {"rc": p.returncode, "peak_anonymous_MB": round(anon), "peak_file_backed_MB": round(file)}
+    err = p.stderr.read() if p.stderr else ""
+    return {"rc": p.returncode, "peak_anonymous_MB": round(anon), "peak_file_backed_MB": round(file), "tail": err[-600:] if p.returncode else ""}
 
 
 def memory(shards: Path, tmp: Path) -> list[dict]:
@@ -120,8 +121,9 @@ def memory(shards: Path, tmp: Path) -> list[dict]:
     times16(shards, tmp / "x16")
     rows = []
     for name, folder in (("x1", shards), ("x16", tmp / "x16")):
+        # data.image_size=32: tinynet's size, whatever the shards' images are (the workers decode them whole)
         cmd = [sys.executable, "-m", "trainer", "train", "--config", "configs/smoke.yaml", "data.name=shards", f"data.dir={folder}",
-               "data.loader=stream", "train.max_steps=60", "train.batch_size=256", "data.stream_workers=2", f"checkpoint.dir={tmp / name}",
+               "data.image_size=32", "data.loader=stream", "train.max_steps=60", "train.batch_size=256", "data.stream_workers=2", f"checkpoint.dir={tmp / name}",
                "train.plot=false", "train.tensorboard=false"]
         rows.append({"case": f"streamed-memory-{name}", **peak_memory(cmd)})
     return rows
@@ -243,9 +245,7 @@ def main(argv: list[str]) -> int:
         import tempfile
 
         with tempfile.TemporaryDirectory() as tmp:
-            for r in readers(Path(argv[1])) if argv[0] == "--readers" else memory(Path(argv[1]), Path(tmp)):
-                print(json.dumps(r))
-        return 0
+            return report(readers(Path(argv[1])) if argv[0] == "--readers" else memory(Path(argv[1]), Path(tmp)))
     p = argparse.ArgumentParser()
     p.add_argument("out", type=Path)
     p.add_argument("--cifar", type=Path, required=True)
@@ -254,8 +254,21 @@ def main(argv: list[str]) -> int:
     p.add_argument("--photo", action="store_true", help="500x375 images of about 100 KB (default: 256 px, 12 KB)")
     p.add_argument("--cases", default="", help="some cases, comma-separated (loader-alone: the three feeds without the model)")
     a = p.parse_args(argv)
-    for r in run(a.out, a.cifar, a.images, a.steps, a.photo, tuple(filter(None, a.cases.split(",")))):
-        print(json.dumps(r))
+    return report(run(a.out, a.cifar, a.images, a.steps, a.photo, tuple(filter(None, a.cases.split(",")))))
+
+
+def report(rows) -> int:
+    """The rows as JSON lines, or none of them where a measured run failed: then one line naming
+    it, its exit code and its error, and exit 1 (a failed run's figures measure nothing)."""
+    rows = list(rows)
+    failed = [r for r in rows if r.get("rc")]
+    for r in failed:
+        last = next((line for line in reversed(r.get("tail", "").splitlines()) if line.strip()), "no output")
+        print(f"bench: {r['case']} failed (exit {r['rc']}): {last.strip()}; no figures reported", file=sys.stderr)
+    if failed:
+        return 1
+    for r in rows:
+        print(json.dumps(r), flush=True)
     return 0
 
 

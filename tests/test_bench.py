@@ -121,3 +121,26 @@ def test_the_predict_bench_times_predict_beside_a_plain_script_and_the_exports(t
              "--workers", "1", "--before", str(ROOT), "--predict-only"], cwd=ROOT, timeout=1200)
     rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
     assert [r["case"].split(",")[0] for r in rows] == ["plain", "predict", "before", "plain", "predict", "before"]
+
+
+@pytest.mark.slow
+def test_the_memory_bench_takes_any_image_size_and_refuses_to_report_a_failed_run(tmp_path):
+    """`python -m bench.data --memory SHARDS` on 72-px shards: figures, exit 0. With a shard
+    replaced by other bytes the runs fail: no figures, one line naming the case and its error, exit 1."""
+    import json
+    import sys
+
+    from conftest import ROOT, make_jpegs, run
+
+    from trainer.worker.shards import write
+
+    write(make_jpegs(tmp_path / "img", train=30, test=3, size=72), tmp_path / "sh")
+    p = run([sys.executable, "-m", "bench.data", "--memory", str(tmp_path / "sh")], cwd=ROOT, timeout=600)
+    rows = [json.loads(line) for line in p.stdout.splitlines()]
+    assert [r["case"] for r in rows] == ["streamed-memory-x1", "streamed-memory-x16"] and all(r["rc"] == 0 and r["peak_anonymous_MB"] > 0 for r in rows)
+    tar = next((tmp_path / "sh").glob("train-*.tar"))
+    tar.write_bytes(bytes(tar.stat().st_size))
+    p = run([sys.executable, "-m", "bench.data", "--memory", str(tmp_path / "sh")], cwd=ROOT, timeout=600, check=False)
+    assert p.returncode == 1 and not p.stdout.strip(), p.stdout
+    assert p.stderr.startswith("bench: streamed-memory-x1 failed (exit 2): error: "), p.stderr
+    assert "no figures reported" in p.stderr.splitlines()[0]
