@@ -67,3 +67,21 @@ def test_launch_checks_a_resume_path_before_it_downloads_or_starts_anything(tmp_
     assert p.returncode == 2 and p.stderr.strip().splitlines()[-1] == (
         f"error: checkpoint.resume={tmp_path / 'nowhere' / 'step-5'} does not exist; pass a step-N folder, or checkpoint.resume=auto"), p.stderr
     assert "torchrun" not in p.stderr and "download" not in p.stderr.lower() and not (tmp_path / "data").exists(), p.stderr
+
+
+@pytest.mark.slow
+def test_make_run_local_on_a_users_images_picks_what_fits_them_and_says_so_first(tmp_path):
+    """make run-local DATA=<120 photos of 96 px>: the CPU job's network takes 32 px only, its batch
+    (256) is larger than the set, its run folder holds the CIFAR run. The first line says what
+    was fitted; the run trains and ends in a folder named after the images."""
+    from conftest import make_jpegs, run
+
+    make_jpegs(tmp_path / "myphotos", train=12, test=3, size=96)
+    (tmp_path / "configs").symlink_to(ROOT / "configs")  # from a checkout's root, as make runs it
+    p = run([sys.executable, "-m", "trainer", "launch", "--nproc-per-node", "2", "--config", "auto", "data.name=imagefolder",
+             f"data.dir={tmp_path / 'myphotos'}", "train.epochs=1"], cwd=tmp_path, timeout=600)
+    first = p.stderr.splitlines()[0]
+    assert first == (f"no GPU here: configs/cpu.yaml, fitted to the images in {tmp_path / 'myphotos'}: model torchvision.resnet18 "
+                     "(tinynet cannot take 96 px images), batch 16 (120 training images), run folder checkpoints/myphotos; "
+                     "ARGS= sets any of them"), p.stderr[:2000]
+    assert "done: step 7, checkpoints in checkpoints/myphotos" in p.stdout + p.stderr and (tmp_path / "checkpoints" / "myphotos" / "step-7").is_dir()

@@ -158,6 +158,18 @@ def test_curves_draw_every_log_line_once_and_whole_epoch_ticks_under_a_title():
     assert draw_curves([], [], "") is None
 
 
+def test_curves_of_a_short_run_show_points_an_empty_panel_says_so_and_accuracy_ends_at_100():
+    from trainer.worker.metrics import draw_curves
+
+    epochs = [{"epoch": 1, "step": 8, "train_loss": 0.2, "test_acc": 0.97}, {"epoch": 2, "step": 16, "train_loss": 0.1, "test_acc": 0.995}]
+    fig = draw_curves([], epochs, "a short run")
+    _, speed, acc = fig.axes
+    assert not speed.lines and "no log window yet" in speed.texts[0].get_text()
+    assert acc.get_ylim()[1] <= 100.0, acc.get_ylim()
+    fig = draw_curves([{"step": 8, "loss": 0.5, "images_per_s": 900.0}], epochs, "one window")
+    assert fig.axes[1].lines[0].get_marker() == "o"  # one window: a point that shows
+
+
 def test_the_others_median_of_each_rank_matches_the_median_taken_without_it():
     import random
     import statistics
@@ -168,3 +180,17 @@ def test_the_others_median_of_each_rank_matches_the_median_taken_without_it():
     for _ in range(500):
         v = [float(rng.randint(1, 6)) for _ in range(rng.randint(0, 9))]  # ties included
         assert medians_of_the_others(v) == ({r: statistics.median(v[:r] + v[r + 1 :]) for r in range(len(v))} if len(v) > 1 else {}), v
+
+
+def test_the_progress_line_says_what_a_stall_waited_for_and_that_img_s_leaves_it_out(capsys):
+    from trainer.worker.metrics import Progress
+
+    Progress(True).step(0, 4, 10, 100, 1.2345, 512.0, 90.0, stalled_s=61.0)
+    assert capsys.readouterr().out.strip() == (
+        "epoch 1/4 step 10/100 loss 1.2345 512 img/s eta 1m30s (1m01s stalled waiting for data or other ranks, not counted in img/s)")
+
+
+def test_the_start_line_names_the_run_folder(tmp_path):
+    p = run([sys.executable, "-m", "trainer", "train", *TINY, "train.epochs=1", f"checkpoint.dir={tmp_path / 'ck'}"])
+    start = next(line for line in p.stdout.splitlines() if line.startswith("tinynet | "))
+    assert start.endswith(f"starting fresh | run folder {tmp_path / 'ck'}"), start

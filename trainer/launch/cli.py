@@ -295,19 +295,26 @@ def launch(nproc_per_node, max_restarts, config_file, overrides):
     the first line, and trains on the synthetic set where CIFAR-10 cannot be downloaded."""
     gpus = gpu_count()
     picked = config_file == "auto"
-    if picked:
-        config_file = pick_config(gpus)
     overrides = list(overrides)
+    if picked:
+        config_file, why = pick_config(gpus)
     cfg = load_config(config_file, overrides)
     if nproc_per_node == "auto":
         nproc_per_node = str(gpus or 2)
     if not nproc_per_node.isdigit() or int(nproc_per_node) < 1:
         raise ConfigError(f"--nproc-per-node={nproc_per_node} must be a positive number or auto")
     check_devices(cfg, gpus > 0)
-    check_batch(cfg, int(nproc_per_node))
     from trainer.launch.check import resume_from
     from trainer.worker import data as datasets
 
+    if picked and cfg.data.name in ("imagefolder", "shards"):  # DATA=: the picked job made to fit the images, on the first line
+        fitted, said = fit_to_images(cfg, overrides, int(nproc_per_node))
+        click.echo(f"{why.split(':')[0]}: {config_file}, fitted to the images in {cfg.data.dir}: {said}; ARGS= sets any of them", err=True)
+        overrides += fitted
+        cfg = load_config(config_file, overrides)
+    elif picked:
+        click.echo(why, err=True)
+    check_batch(cfg, int(nproc_per_node))
     resume_from(cfg)  # a resume path that is wrong: its line now, before a download or a decode
 
     plan = datasets.plan(cfg, None, int(nproc_per_node))  # data.image_size resolved, as the workers will
@@ -329,15 +336,41 @@ def launch(nproc_per_node, max_restarts, config_file, overrides):
     sys.exit(_supervised(args))
 
 
-def pick_config(gpus: int) -> str:
-    """The job make run-local runs where no CONFIG is given, said on its first line."""
+def pick_config(gpus: int) -> tuple[str, str]:
+    """The job make run-local runs where no CONFIG is given, and its first line."""
     if gpus:
-        click.echo(f"{gpus} GPU(s) here: configs/default.yaml, the default recipe (ResNet-18, 30 epochs of CIFAR-10); "
-                   "CONFIG=FILE runs another", err=True)
-        return "configs/default.yaml"
-    click.echo("no GPU here: configs/cpu.yaml, a small network for 4 epochs of CIFAR-10 (about a minute on 2 cores; the default "
-               "recipe is a GPU job); CONFIG=FILE runs another", err=True)
-    return "configs/cpu.yaml"
+        return "configs/default.yaml", (f"{gpus} GPU(s) here: configs/default.yaml, the default recipe (ResNet-18, 30 epochs of CIFAR-10); "
+                                        "CONFIG=FILE runs another")
+    return "configs/cpu.yaml", ("no GPU here: configs/cpu.yaml, a small network for 4 epochs of CIFAR-10 (about a minute on 2 cores; the "
+                                "default recipe is a GPU job); CONFIG=FILE runs another")
+
+
+def fit_to_images(cfg, overrides: list[str], nproc: int) -> tuple[list[str], str]:
+    """make run-local DATA=<your images> with no CONFIG: the picked job made to fit the images, where
+    the user has not set the key: a model that takes their size, a batch the set fills four times,
+    a run folder of their own (not the CIFAR run's). (The overrides that do it, what they are.)"""
+    from pathlib import Path
+
+    from trainer.worker import data as datasets
+    from trainer.worker import models
+
+    given = {o.split("=", 1)[0] for o in overrides if "=" in o}
+    size, _ = datasets.resolve_image_size(cfg)
+    changes, said = [], []
+    if "model.name" not in given and models.input_problem(cfg.model.name, size):
+        changes.append("model.name=torchvision.resnet18")
+        said.append(f"model torchvision.resnet18 ({cfg.model.name} cannot take {size} px images)")
+    n_train = datasets.train_images(cfg)
+    if "train.batch_size" not in given and n_train and cfg.train.batch_size * 4 > n_train:
+        batch = max(nproc, 1 << max(0, (n_train // 4).bit_length() - 1))
+        batch -= batch % nproc
+        changes.append(f"train.batch_size={batch}")
+        said.append(f"batch {batch} ({n_train} training images)")
+    if "checkpoint.dir" not in given:
+        run = Path(cfg.checkpoint.dir).parent / Path(cfg.data.dir).resolve().name
+        changes.append(f"checkpoint.dir={run}")
+        said.append(f"run folder {run}")
+    return changes, ", ".join(said)
 
 
 def _supervised(torchrun_args: list[str]) -> int:

@@ -420,6 +420,18 @@ def _source(cfg: Config) -> str:
             "shards": f"shards {cfg.data.dir}"}.get(cfg.data.name, f"image folder {cfg.data.dir}")
 
 
+def train_images(cfg: Config) -> int | None:
+    """Training images of an image folder (a listing) or of shards (their index); None for tarballs."""
+    if cfg.data.name == "shards":
+        from trainer.worker import shards
+
+        return shards.read_index(Path(cfg.data.dir), "train")["images"]
+    folder = Path(cfg.data.dir) / "train"
+    if not folder.is_dir():
+        return None
+    return sum(1 for c in folder.iterdir() if c.is_dir() for f in c.iterdir() if f.suffix.lower() in IMAGE_SUFFIXES)
+
+
 def _count_images(cfg: Config) -> int | None:
     """Images of an image folder's class folders (a listing, no decode); None for tarballs."""
     root = Path(cfg.data.dir)

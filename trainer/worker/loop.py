@@ -79,7 +79,7 @@ class Trainer:
         r.say.line(
             f"{self.cfg.model.name} | strategy {self.rt.strategy} x{shown} on {self.rt.device.type} | "
             f"{r.data_plan.describe(len(r.train_split), len(r.test_split), len(r.train_split.classes))} | {r.fast} | "
-            + (f"{r.weights} | " if r.weights else "") + where
+            + (f"{r.weights} | " if r.weights else "") + f"{where} | run folder {r.root}"
         )
         r.metrics.write({"event": "start", "strategy": self.rt.strategy, "world_size": self.rt.world_size, "step": self.state.step,
                      "resumed_from": str(r.resumed_from) if r.resumed_from else None, "fast": str(r.fast)})

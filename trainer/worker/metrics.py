@@ -301,7 +301,7 @@ class Progress:
         if eta_s is not None:
             text += f" eta {duration(eta_s)}"
         if stalled_s >= 1:
-            text += f" ({duration(stalled_s)} stalled, left out)"
+            text += f" ({duration(stalled_s)} stalled waiting for data or other ranks, not counted in img/s)"
         if note:
             text += f" | {note}"
         if self.tty:
@@ -415,9 +415,13 @@ def draw_curves(logs: list[dict], epochs: list[dict], title: str):
         loss.plot(*zip(*ends, strict=True), "o", color="tab:red", label="epoch mean")
     loss.set(xlabel="step", ylabel="train loss", title="Training loss")
     loss.legend(loc="upper right", fontsize="small")
-    speed.plot(steps, [by_step[k]["images_per_s"] for k in steps], lw=1, color="tab:purple")
     speed.set(xlabel="step", ylabel="images/s", title="Throughput (each log window)")
-    speed.set_ylim(bottom=0)
+    if steps:  # a short run has one or two windows: points, not an invisible line
+        speed.plot(steps, [by_step[k]["images_per_s"] for k in steps], lw=1, color="tab:purple", marker="o" if len(steps) < 5 else None)
+        speed.set_ylim(bottom=0)
+    else:
+        speed.text(0.5, 0.5, "no log window yet\n(one every train.log_every steps)", ha="center", va="center", transform=speed.transAxes)
+        speed.set(xticks=[], yticks=[])
     tested = [(e, 100 * r["test_acc"]) for e, r in sorted(by_epoch.items()) if r.get("test_acc") is not None]
     if tested:
         acc.plot([e for e, _ in tested], [a for _, a in tested], marker="o", color="tab:green")  # epochs count from 1
@@ -425,6 +429,8 @@ def draw_curves(logs: list[dict], epochs: list[dict], title: str):
             acc.annotate(f"{a:.2f}%", (e, a), textcoords="offset points", xytext=(0, 6), ha="center")
     acc.set(xlabel="epoch", ylabel="test accuracy (%)", title="Test accuracy")
     acc.margins(y=0.15)  # room for the last figure's label
+    low, high = acc.get_ylim()
+    acc.set_ylim(max(0.0, low), min(100.0, high))  # an accuracy axis ends at 100 %
     acc.xaxis.set_major_locator(MaxNLocator(integer=True))
     for ax in (loss, speed, acc):
         ax.grid(alpha=0.3)
