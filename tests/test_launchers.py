@@ -157,6 +157,8 @@ def test_compose_files_are_valid_and_only_the_override_asks_for_gpus():
     assert "${DATA:-./data}:/data:ro" in train["volumes"] and "${CHECKPOINTS:-./checkpoints}:/checkpoints" in train["volumes"]
     assert train["user"] == "${USER_ID:-1000}:${GROUP_ID:-1000}"
     assert "NPROC_PER_NODE" in train["environment"]
+    # an engine's on-failure policy would retry exit 2 (bad input) too: crashes are retried by torchrun inside
+    assert train["restart"] == "no" and train["environment"]["MAX_RESTARTS"] == "${MAX_RESTARTS:-3}"
 
 
 # ------------------------------------------------------------------------------------------------
