@@ -54,8 +54,9 @@ def check_image(image: str) -> None:
         raise RenderError(f"--image={image} has neither tag nor digest; pass IMAGE=...:TAG or IMAGE=...@sha256:DIGEST (a digest pins the exact image)")
 
 
-def check_run(config: str | None, args: list[str]) -> None:
-    """CONFIG must ship in the image (configs/), and it and ARGS must load as the trainer loads them."""
+def check_run(config: str | None, args: list[str], nnodes: str | None = None, nproc: int | None = None) -> None:
+    """CONFIG must ship in the image (configs/), and it and ARGS must load as the trainer loads them;
+    with the job's size (``nnodes``: N or MIN:MAX), its global batch must split over every world size."""
     root = Path(__file__).resolve().parent.parent
     if config is not None:
         shipped = sorted(p.name for p in (root / "configs").glob("*.yaml"))
@@ -63,13 +64,55 @@ def check_run(config: str | None, args: list[str]) -> None:
             raise RenderError(f"CONFIG={config} is not in the image, which holds configs/ ({', '.join(shipped)}): add the file to "
                               "configs/, rebuild and push the image, or pass ARGS=key=value ... on top of a shipped config")
     sys.path.insert(0, str(root))
-    from trainer.config import ConfigError
+    from trainer.config import ConfigError, check_world_range
     from trainer.config_loader import load_config  # yaml only: no torch in the tools venv
 
     try:
-        load_config(root / (config or "configs/default.yaml"), args)
+        cfg = load_config(root / (config or "configs/default.yaml"), args)
     except ConfigError as e:
         raise RenderError(f"{e} (CONFIG / ARGS)") from None
+    try:
+        if nnodes is not None and nproc is not None:
+            check_world_range(cfg, nnodes, nproc)
+    except ConfigError as e:
+        raise RenderError(f"{e} (the job's NODES x GPUS: ARGS=train.batch_size=..., or another size)") from None
+
+
+def job_config(doc: dict) -> tuple[str, list[str]] | None:
+    """(the config, the overrides) a job's trainer runs with, from its arguments; None for no job."""
+    if doc.get("kind") == "TrainJob":
+        line = doc["spec"]["trainer"]["args"]
+    elif doc.get("kind") == "PyTorchJob":
+        pod = next(iter(doc["spec"]["pytorchReplicaSpecs"].values()))["template"]["spec"]
+        line = next(c.get("args", []) for c in pod["containers"] if c["name"] == "pytorch")
+    else:
+        return None
+    tail = line[line.index("train") + 1 :] if "train" in line else []
+    config = tail[tail.index("--config") + 1] if "--config" in tail else None
+    overrides = [a for a in tail if "=" in a and not a.startswith("--") and not a.startswith("$(")]
+    return config, [o for o in overrides if "$(" not in o]
+
+
+def job_size(doc: dict) -> tuple[str, int] | None:
+    """(nodes as torchrun takes them, N or MIN:MAX; processes per node) of a rendered job."""
+    spec = doc.get("spec", {})
+    if doc.get("kind") == "TrainJob":
+        return str(spec["trainer"]["numNodes"]), int(spec["trainer"]["numProcPerNode"])
+    if doc.get("kind") == "PyTorchJob":
+        nproc = int(spec.get("nprocPerNode", 1))
+        if "elasticPolicy" in spec:
+            return f"{spec['elasticPolicy']['minReplicas']}:{spec['elasticPolicy']['maxReplicas']}", nproc
+        return str(sum(r.get("replicas", 1) for r in spec["pytorchReplicaSpecs"].values())), nproc
+    return None
+
+
+def check_batches(docs: list[dict]) -> None:
+    """Each rendered job's global batch against its world size(s): a job that would exit 2 on its
+    GPUs is refused before it is applied, as make slurm-submit refuses it."""
+    for doc in docs:
+        run, size = job_config(doc), job_size(doc)
+        if run is not None and size is not None:
+            check_run(run[0], run[1], *size)
 
 
 RUNTIMES = ("ClusterTrainingRuntime", "TrainingRuntime")
@@ -178,8 +221,30 @@ def _pytorchjob(spec: dict, nodes: int | None, gpus: int | None) -> None:
                 c["resources"] = _resources(gpus)
 
 
+def job_name(name: str) -> str:
+    """JOB= as a job's name: a DNS label (lower-case letters, digits and '-', at most 40 characters:
+    the operators add suffixes to their pods' names)."""
+    fixed = re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-")[:40].strip("-")
+    if not fixed or not fixed[0].isalpha():
+        raise RenderError(f"JOB={name!r} cannot be a job's name; use lower-case letters, digits and '-', starting with a letter (e.g. JOB=cifar-alice)")
+    return fixed
+
+
+def rename(doc: dict, name: str) -> None:
+    """A job named ``name``, and its run folder under /checkpoints with it (a TrainJob's follows
+    its name already: $(TRAINJOB_NAME))."""
+    old = doc["metadata"]["name"]
+    doc["metadata"]["name"] = name
+    for pod in trainer_pods(doc):
+        for c in pod.get("initContainers", []) + pod["containers"]:
+            for key in ("args", "command"):
+                if c.get(key):
+                    c[key] = [a.replace(f"checkpoint.dir=/checkpoints/{old}", f"checkpoint.dir=/checkpoints/{name}") for a in c[key]]
+
+
 def render(docs: list[dict], image: str | None, nodes: int | None, gpus: int | None, storage_class: str | None = None,
-           namespace: str | None = None, config: str | None = None, args: list[str] | None = None, gang: bool = True) -> list[dict]:
+           namespace: str | None = None, config: str | None = None, args: list[str] | None = None, gang: bool = True,
+           name: str | None = None) -> list[dict]:
     check(docs, image, nodes, gpus, storage_class, namespace)
     if config is not None or args:
         runtime = next((d for d in docs if d.get("kind") in RUNTIMES), None)
@@ -199,6 +264,8 @@ def render(docs: list[dict], image: str | None, nodes: int | None, gpus: int | N
             doc.get("spec", {}).get("runPolicy", {}).pop("schedulingPolicy", None)
         if doc.get("kind") == "PersistentVolumeClaim":
             doc["spec"]["storageClassName"] = storage_class
+        if name and doc.get("kind") in ("PyTorchJob", "TrainJob"):
+            rename(doc, job_name(name))
         if doc.get("kind") == "PyTorchJob":
             _pytorchjob(doc["spec"], nodes, gpus)
         if doc.get("kind") == "TrainJob":  # everything of the job is its own: the runtime stays as installed
@@ -229,6 +296,8 @@ def render(docs: list[dict], image: str | None, nodes: int | None, gpus: int | N
             for v in pod.get("volumes", []):  # shared memory counts against the memory limit: a quarter of it
                 if gpus is not None and v.get("emptyDir", {}).get("medium") == "Memory":
                     v["emptyDir"]["sizeLimit"] = f"{2 * gpus}Gi"
+    if config is not None or args or nodes is not None or gpus is not None:
+        check_batches(docs)
     return docs
 
 
@@ -276,9 +345,13 @@ def check_existing(docs: list[dict], kubectl: str = "kubectl") -> None:
         live, wanted = json.loads(p.stdout)["spec"].get("trainer", {}), doc["spec"]["trainer"]
         changed = sorted(k for k in wanted if live.get(k) != wanted[k])
         if changed:
-            raise RenderError(f"TrainJob {name} exists with other {', '.join(changed)} (a TrainJob's trainer settings cannot change); "
-                              f"delete it first (kubectl delete trainjob {name}{f' -n {ns}' if ns else ''}; its checkpoints stay on "
-                              "their PVC and the new job resumes from them), then run make k8s-apply again")
+            meta = json.loads(p.stdout)["metadata"]
+            since = meta.get("creationTimestamp", "an earlier apply")
+            where = f" in namespace {ns}" if ns else ""
+            raise RenderError(f"a TrainJob named {name} exists{where} (created {since}) with other {', '.join(changed)}: a TrainJob's "
+                              f"trainer settings cannot change. Give this run its own name (make k8s-apply JOB=...); or, if {name} is "
+                              f"yours and done with, delete it (kubectl delete trainjob {name}{f' -n {ns}' if ns else ''}: its checkpoints "
+                              "stay on their PVC and a job of that name resumes from them)")
 
 
 def count(flag: str, value: str | None) -> int | None:
@@ -299,6 +372,7 @@ def main() -> None:
     p.add_argument("--namespace")
     p.add_argument("--config", help="a config of configs/ (it ships in the image)")
     p.add_argument("--args", help="overrides for the trainer, key=value ... (make's ARGS)")
+    p.add_argument("--name", help="the job's name (make's JOB): its run folder under /checkpoints follows it")
     p.add_argument("--no-gang", action="store_true", help="leave out gang scheduling (podGroupPolicy, minAvailable): make's GANG=off")
     p.add_argument("--check-existing", action="store_true", help="refuse a rendered TrainJob that exists with other trainer settings")
     p.add_argument("--as-jobs", action="store_true", help="every pod template as a batch/v1 Job, with its waivers (for checkov)")
@@ -324,7 +398,7 @@ def main() -> None:
         return
     try:
         out = render(docs, a.image, count("nodes", a.nodes), count("gpus", a.gpus), a.storage_class, a.namespace, a.config,
-                     shlex.split(a.args) if a.args else None, gang=not a.no_gang)
+                     shlex.split(a.args) if a.args else None, gang=not a.no_gang, name=a.name)
     except RenderError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -1045,6 +1045,9 @@ def test_the_cluster_targets_need_only_a_small_venv_without_torch(tools_venv):
     (["CONFIG=configs/mine.yaml"], "CONFIG=configs/mine.yaml is not in the image"),
     (["ARGS=train.epoch=3"], "train.epoch"),
     (["GANG=maybe"], "GANG=maybe is neither on nor off"),
+    (["K8S=multi-node", "NODES=3", "GPUS=8", "ARGS=train.batch_size=500"], "train.batch_size=500 is not a multiple of the world size 24"),
+    (["K8S=trainjob", "NODES=3", "GPUS=8"], "train.batch_size=512 is not a multiple of the world size 24"),
+    (["K8S=elastic", "NODES=4", "GPUS=6"], "train.batch_size=480 does not split over 3 node(s) x 6 process(es)"),
 ])
 def test_make_k8s_apply_refuses_a_bad_size_in_one_line(tools_venv, args, words):
     p = subprocess.run(["make", "-s", "k8s-apply", f"TOOLS_VENV={tools_venv}", "IMAGE=registry.example.com:5000/team/ct:0.1.0", *args],
@@ -1081,7 +1084,7 @@ def test_make_k8s_apply_refuses_to_change_a_trainjob_that_exists(tools_venv, tmp
     """A TrainJob's spec.trainer cannot change: applying other NODES over an existing job is refused
     in one line before anything is applied (the runtime would have changed first); the same
     settings apply again."""
-    e = fake_kubectl(tmp_path)
+    e = {**fake_kubectl(tmp_path), "USER": "alice"}
     base = ["make", "-s", "k8s-apply", f"TOOLS_VENV={tools_venv}", "K8S=trainjob", "IMAGE=localhost:5000/ct:0.1.0"]
     assert subprocess.run([*base, "NODES=2", "GPUS=8"], cwd=ROOT, capture_output=True, text=True, env=e).returncode == 0
     job = next(d for d in yaml.safe_load_all((tmp_path / "applied.yaml").read_text()) if d and d["kind"] == "TrainJob")
@@ -1089,9 +1092,28 @@ def test_make_k8s_apply_refuses_to_change_a_trainjob_that_exists(tools_venv, tmp
     (tmp_path / "applied.yaml").unlink()
     p = subprocess.run([*base, "NODES=4", "GPUS=8"], cwd=ROOT, capture_output=True, text=True, env=e)
     errors = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
-    assert p.returncode != 0 and len(errors) == 1 and "TrainJob cifar-ddp-v2 exists with other numNodes" in errors[0], p.stderr
-    assert "kubectl delete trainjob cifar-ddp-v2" in errors[0] and not (tmp_path / "applied.yaml").exists()
+    assert p.returncode != 0 and len(errors) == 1 and "a TrainJob named trainjob-alice exists" in errors[0], p.stderr
+    assert "with other numNodes" in errors[0] and "its own name (make k8s-apply JOB=...)" in errors[0], errors[0]
+    assert "kubectl delete trainjob trainjob-alice" in errors[0] and not (tmp_path / "applied.yaml").exists()
     assert subprocess.run([*base, "NODES=2", "GPUS=8"], cwd=ROOT, capture_output=True, text=True, env=e).returncode == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("folder", ["trainjob", "multi-node"])
+def test_make_k8s_apply_names_each_users_job_and_run_folder_apart(tools_venv, tmp_path, folder):
+    """Two users applying the same folder in one namespace: two jobs, two run folders. JOB= names one."""
+    e = fake_kubectl(tmp_path)
+    base = ["make", "-s", "k8s-apply", f"TOOLS_VENV={tools_venv}", f"K8S={folder}", "IMAGE=localhost:5000/ct:0.1.0"]
+    seen = {}
+    for user, extra in (("alice", []), ("bob", []), ("bob", ["JOB=Bob.Second-Run"])):
+        p = subprocess.run([*base, *extra], cwd=ROOT, capture_output=True, text=True, env={**e, "USER": user})
+        assert p.returncode == 0, p.stderr
+        job = next(d for d in yaml.safe_load_all((tmp_path / "applied.yaml").read_text()) if d and d["kind"] in ("TrainJob", "PyTorchJob"))
+        args = job["spec"]["trainer"]["args"] if folder == "trainjob" else [a for pod in pods_of([job]) for c in pod["containers"] for a in c.get("args", [])]
+        seen[job["metadata"]["name"]] = args
+    assert list(seen) == [f"{folder}-alice", f"{folder}-bob", "bob-second-run"], list(seen)
+    for name, args in seen.items():  # the run folder follows the name (a TrainJob's through $(TRAINJOB_NAME))
+        assert ("checkpoint.dir=/checkpoints/$(TRAINJOB_NAME)" if folder == "trainjob" else f"checkpoint.dir=/checkpoints/{name}") in args, args
 
 
 @pytest.mark.slow
