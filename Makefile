@@ -3,7 +3,7 @@
 #   NPROC=auto (one per GPU, else 2)  IMAGE=cluster-trainer:0.1.0  REGISTRY (push)  GPUS=8  NODES=2
 #   K8S=multi-node (a job folder of k8s/: trainjob, trainjob-single, multi-node, single-gpu, elastic, elastic-etcd; trainjob-runtime, once per cluster)  TORCHX_FLAGS (e.g. --dryrun)
 #   TEST_WORKERS=2 SLOW_WORKERS=3 (pytest processes of make test, make test-slow)
-#   JOB (k8s-apply: the job's name, K8S-USER unless given)  NAMESPACE (k8s-storage, k8s-apply: else kubectl's current one)  GANG=off (k8s-apply: no gang scheduling)  STORAGE_CLASS (k8s-storage)  ENGINE=docker (or podman)  COMPOSE="docker compose" (or docker-compose, podman-compose)  CHECKPOINTS=checkpoints
+#   JOB (k8s-apply: the job's name, K8S-USER unless given)  NAMESPACE (k8s-storage, k8s-apply: else kubectl's current one)  GANG=on|off (k8s-apply: the runtime's coscheduling; none)  STORAGE_CLASS (k8s-storage)  ENGINE=docker (or podman)  COMPOSE="docker compose" (or docker-compose, podman-compose)  CHECKPOINTS=checkpoints
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -152,13 +152,13 @@ given = $(filter command line environment,$(origin $(1)))
 K8S_SIZE = $(if $(call given,NODES),--nodes '$(NODES)') $(if $(call given,GPUS),--gpus '$(GPUS)')
 K8S_JOBS := $(filter-out storage,$(notdir $(patsubst %/,%,$(dir $(wildcard k8s/*/kustomization.yaml)))))
 check-k8s = case " $(K8S_JOBS) " in *" $(K8S) "*) ;; *) echo "error: K8S=$(K8S) is not a job folder of k8s/; use one of: $(K8S_JOBS)" >&2; exit 2;; esac
-# GANG=off: no gang scheduling (a cluster without coscheduling, Volcano or the like)
+# GANG=on: the runtime's coscheduling PodGroup (the cluster runs scheduler-plugins); GANG=off: no gang scheduling at all
 # JOB: the job's name and its run folder (/checkpoints/JOB): K8S-USER unless given, so that two users do not clash
 JOB ?= $(K8S)-$(or $(USER),$(shell id -un 2>/dev/null),$(shell id -u))
 k8s-apply: tools ## apply the job folder K8S of k8s/ with the pushed IMAGE
 	@$(check-k8s)
 	@case "$(GANG)" in ""|on|off) ;; *) echo "error: GANG=$(GANG) is neither on nor off; pass GANG=off on a cluster without gang scheduling" >&2; exit 2;; esac
-	manifest=$$(kubectl kustomize k8s/$(K8S) | $(TOOLS)/python k8s/render.py --image '$(IMAGE)' $(K8S_SIZE) $(if $(NAMESPACE),--namespace '$(NAMESPACE)') $(if $(filter off,$(GANG)),--no-gang) \
+	manifest=$$(kubectl kustomize k8s/$(K8S) | $(TOOLS)/python k8s/render.py --image '$(IMAGE)' $(K8S_SIZE) $(if $(NAMESPACE),--namespace '$(NAMESPACE)') $(if $(filter off,$(GANG)),--no-gang)$(if $(filter on,$(GANG)),--gang) \
 		$(if $(filter trainjob-runtime,$(K8S)),,--name '$(JOB)') \
 		$(if $(call given,CONFIG),--config '$(CONFIG)') $(if $(ARGS),--args '$(ARGS)')) \
 		&& echo "$$manifest" | $(TOOLS)/python k8s/render.py --check-existing && echo "$$manifest" | kubectl apply -f -

@@ -243,8 +243,10 @@ def rename(doc: dict, name: str) -> None:
 
 
 def render(docs: list[dict], image: str | None, nodes: int | None, gpus: int | None, storage_class: str | None = None,
-           namespace: str | None = None, config: str | None = None, args: list[str] | None = None, gang: bool = True,
+           namespace: str | None = None, config: str | None = None, args: list[str] | None = None, gang: bool | None = None,
            name: str | None = None) -> list[dict]:
+    """``gang``: None leaves gang scheduling as shipped (the PyTorchJobs ask for it, the runtime
+    does not); True adds the runtime's coscheduling PodGroup; False leaves out both."""
     check(docs, image, nodes, gpus, storage_class, namespace)
     if config is not None or args:
         runtime = next((d for d in docs if d.get("kind") in RUNTIMES), None)
@@ -253,13 +255,15 @@ def render(docs: list[dict], image: str | None, nodes: int | None, gpus: int | N
                               "TrainJob's (make k8s-apply K8S=trainjob CONFIG=... ARGS=...)")
         check_run(config, args or [])
     kinds = {d.get("kind") for d in docs}
-    if not gang and "TrainJob" in kinds and not kinds & set(RUNTIMES):
+    if gang is not None and "TrainJob" in kinds and not kinds & set(RUNTIMES):
         raise RenderError("a TrainJob's gang scheduling is its runtime's (podGroupPolicy), chosen when the runtime is installed: "
-                          "make k8s-apply K8S=trainjob-runtime IMAGE=... GANG=off, then apply the TrainJob without GANG")
+                          "make k8s-apply K8S=trainjob-runtime IMAGE=... GANG=on (or off), then apply the TrainJob without GANG")
     for doc in docs:
         if namespace and doc.get("kind") not in CLUSTER_SCOPED:
             doc["metadata"]["namespace"] = namespace
-        if not gang:  # a cluster with no gang scheduler: no PodGroup, no minAvailable
+        if gang and doc.get("kind") in RUNTIMES:  # a cluster that runs coscheduling: the Trainer makes a PodGroup per TrainJob
+            doc["spec"].setdefault("podGroupPolicy", {"coscheduling": {"scheduleTimeoutSeconds": 300}})
+        if gang is False:  # a cluster with no gang scheduler: no PodGroup, no minAvailable
             doc.get("spec", {}).pop("podGroupPolicy", None)
             doc.get("spec", {}).get("runPolicy", {}).pop("schedulingPolicy", None)
         if doc.get("kind") == "PersistentVolumeClaim":
@@ -373,7 +377,9 @@ def main() -> None:
     p.add_argument("--config", help="a config of configs/ (it ships in the image)")
     p.add_argument("--args", help="overrides for the trainer, key=value ... (make's ARGS)")
     p.add_argument("--name", help="the job's name (make's JOB): its run folder under /checkpoints follows it")
-    p.add_argument("--no-gang", action="store_true", help="leave out gang scheduling (podGroupPolicy, minAvailable): make's GANG=off")
+    p.add_argument("--gang", dest="gang", action="store_const", const=True, help="the runtime's coscheduling PodGroup: make's GANG=on")
+    p.add_argument("--no-gang", dest="gang", action="store_const", const=False,
+                   help="leave out gang scheduling (podGroupPolicy, minAvailable): make's GANG=off")
     p.add_argument("--check-existing", action="store_true", help="refuse a rendered TrainJob that exists with other trainer settings")
     p.add_argument("--as-jobs", action="store_true", help="every pod template as a batch/v1 Job, with its waivers (for checkov)")
     p.add_argument("--check-image", metavar="IMAGE", help="only check that a cluster can pull IMAGE")
@@ -398,7 +404,7 @@ def main() -> None:
         return
     try:
         out = render(docs, a.image, count("nodes", a.nodes), count("gpus", a.gpus), a.storage_class, a.namespace, a.config,
-                     shlex.split(a.args) if a.args else None, gang=not a.no_gang, name=a.name)
+                     shlex.split(a.args) if a.args else None, gang=a.gang, name=a.name)
     except RenderError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

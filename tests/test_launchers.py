@@ -28,7 +28,8 @@ from conftest import ROOT, env, free_port, made_once, run, slow_steps
 sys.path.insert(0, str(ROOT / "k8s"))  # render.py, the manifests' renderer
 
 SCHEMAS = ROOT / "tests" / "schemas"
-K8S_DIRS = ["storage", "multi-node", "single-gpu", "elastic", "elastic-etcd", "trainjob-runtime", "trainjob", "trainjob-single"]
+K8S_DIRS = ["storage", "multi-node", "single-gpu", "elastic", "elastic-etcd", "trainjob-runtime", "trainjob-runtime-gang", "trainjob", "trainjob-single"]
+RUNTIME_DIRS = ("trainjob-runtime", "trainjob-runtime-gang")
 JOB_DIRS = K8S_DIRS[1:]
 TRAINJOBS = ("trainjob", "trainjob-single")
 """The folders of a TrainJob alone: its pods are the runtime's (k8s/trainjob-runtime), as the Trainer makes them for it."""
@@ -242,7 +243,8 @@ def test_kustomize_builds(folder):
     assert out.returncode == 0, out.stderr
     kinds = [d["kind"] for d in yaml.safe_load_all(out.stdout) if d]
     # the PVCs are theirs alone: `kubectl delete -k k8s/<job>` deletes only what this builds
-    expected = {"storage": ["PersistentVolumeClaim"] * 2, "trainjob-runtime": ["ClusterTrainingRuntime"], "trainjob": ["TrainJob"],
+    expected = {"storage": ["PersistentVolumeClaim"] * 2, "trainjob-runtime": ["ClusterTrainingRuntime"],
+                "trainjob-runtime-gang": ["ClusterTrainingRuntime"], "trainjob": ["TrainJob"],
                 "trainjob-single": ["TrainJob"], "elastic-etcd": ["Service", "Deployment", "PyTorchJob"]}
     assert kinds == expected.get(folder, ["PyTorchJob"]), kinds
     if folder != "storage":
@@ -274,9 +276,25 @@ def restricted(pod: dict) -> list[str]:
     return bad
 
 
+def test_a_trainjob_names_its_own_volumes_and_the_runtime_holds_only_defaults():
+    """The shared runtime's claims are defaults; a TrainJob's runtimePatches name its own, which the
+    Trainer merges by volume name into its pods."""
+    from render import as_the_trainer_makes_it
+
+    (job,) = manifests("trainjob")
+    patch = job["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
+    volumes = patch["template"]["spec"]["template"]["spec"]["volumes"]
+    assert {v["name"]: v.get("persistentVolumeClaim", {}).get("claimName") for v in volumes} == {
+        "dshm": None, "checkpoints": "cifar-checkpoints", "data": "cifar-data"}
+    next(v for v in volumes if v["name"] == "checkpoints")["persistentVolumeClaim"]["claimName"] = "team-a-checkpoints"
+    pod = as_the_trainer_makes_it(runtime(), job)[0]["template"]["spec"]["template"]["spec"]
+    assert {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v} == {
+        "checkpoints": "team-a-checkpoints", "data": "cifar-data"}
+
+
 def test_every_pod_passes_pod_security_restricted():
     pods = [t["spec"] for f in JOB_DIRS for d in manifests(f) for t in every_pod_template(d).values()]
-    assert len(pods) == 7  # elastic-etcd's etcd pod too; the runtime's pod (the TrainJobs' pods are made from it)
+    assert len(pods) == 8  # elastic-etcd's etcd pod too; the runtime's pod, and its gang form's (the TrainJobs' pods are made from it)
     for pod in pods:
         assert restricted(pod) == []
     broken = copy.deepcopy(pods[0])
@@ -996,7 +1014,7 @@ def gib(quantity: str) -> float:
     return float(quantity[:-2]) * {"Gi": 1, "Mi": 1 / 1024}[quantity[-2:]]
 
 
-@pytest.mark.parametrize("folder", [f for f in JOB_DIRS if f != "trainjob-runtime"])  # the runtime's pods are its TrainJobs'
+@pytest.mark.parametrize("folder", [f for f in JOB_DIRS if f not in RUNTIME_DIRS])  # the runtime's pods are its TrainJobs'
 def test_shared_memory_fits_in_the_pods_memory_limit(folder):
     """A memory-backed /dev/shm counts against the pod's memory limit: it is a quarter of it, as
     shipped and as make k8s-apply sizes it."""
@@ -1140,19 +1158,21 @@ def test_every_make_k8s_apply_a_manifest_shows_runs_as_written(tools_venv, tmp_p
 
 
 @pytest.mark.slow
-def test_gang_scheduling_ships_on_and_gang_off_leaves_it_out(tools_venv, tmp_path):
-    """The Trainer v2 runtime asks for coscheduling's PodGroup, the PyTorchJob for minAvailable;
-    GANG=off (a cluster with no gang scheduler) renders neither: the runtime's is chosen when an
-    administrator installs it."""
-    assert runtime()["spec"]["podGroupPolicy"] == {"coscheduling": {"scheduleTimeoutSeconds": 300}}
+def test_gang_scheduling_is_the_runtimes_opt_in_and_gang_off_leaves_it_out(tools_venv, tmp_path):
+    """The Trainer v2 runtime as shipped asks for no PodGroup: it installs on a cluster without
+    scheduler-plugins. Its gang form asks for coscheduling's, as k8s/trainjob-runtime-gang or
+    GANG=on; the PyTorchJob asks for minAvailable (ignored where the operator has no gang
+    scheduler); GANG=off renders neither."""
+    assert "podGroupPolicy" not in runtime()["spec"]
+    assert manifests("trainjob-runtime-gang")[0]["spec"]["podGroupPolicy"] == {"coscheduling": {"scheduleTimeoutSeconds": 300}}
     for folder, kind in (("trainjob-runtime", "ClusterTrainingRuntime"), ("multi-node", "PyTorchJob")):
-        for gang in ("on", "off"):
+        for gang in ("", "on", "off"):
             p = subprocess.run(["make", "-s", "k8s-apply", f"TOOLS_VENV={tools_venv}", f"K8S={folder}", "IMAGE=localhost:5000/ct:0.1.0",
                                 f"GANG={gang}"], cwd=ROOT, capture_output=True, text=True, env=fake_kubectl(tmp_path))
             assert p.returncode == 0, p.stderr
             doc = next(d for d in yaml.safe_load_all((tmp_path / "applied.yaml").read_text()) if d and d["kind"] == kind)
             asked = "podGroupPolicy" in doc["spec"] or "schedulingPolicy" in doc["spec"].get("runPolicy", {})
-            assert asked == (gang == "on"), (folder, gang, doc["spec"])
+            assert asked == (gang == "on" or (gang == "" and kind == "PyTorchJob")), (folder, gang, doc["spec"])
 
 
 @pytest.mark.slow
