@@ -308,8 +308,8 @@ def render(docs: list[dict], image: str | None, nodes: int | None, gpus: int | N
 def as_jobs(docs: list[dict]) -> list[dict]:
     """Every pod template as the batch/v1 Job that policy scanners know (checkov skips PyTorchJobs
     and runtimes: on our files as shipped it finds 0 resources), each with its job's waivers
-    (checkov.io/skip annotations, with their reasons), and Deployments as they are: `make
-    k8s-checkov`. A TrainJob's pods are its runtime's as the Trainer makes them for it (the runtime
+    (checkov.io/skip annotations, with their reasons), and every other kind as it is (Services,
+    Deployments): `make k8s-checkov`. A TrainJob's pods are its runtime's as the Trainer makes them for it (the runtime
     among ``docs``)."""
     jobs = []
     made = {d["spec"]["runtimeRef"]["name"]: d for d in docs if d.get("kind") == "TrainJob"}
@@ -322,7 +322,7 @@ def as_jobs(docs: list[dict]) -> list[dict]:
             trainjob = made.get(meta["name"])
             replicated = as_the_trainer_makes_it(doc, trainjob) if trainjob else doc["spec"]["template"]["spec"]["replicatedJobs"]
             specs = {j["name"]: j["template"]["spec"] for j in replicated}
-        elif doc.get("kind") == "Deployment":  # the etcd of k8s/elastic-etcd: checkov knows Deployments as they are
+        elif doc.get("kind") != "TrainJob":  # the rest as they are (the etcd's Deployment and Service): checkov knows them
             jobs.append(doc)
             continue
         else:

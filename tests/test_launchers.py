@@ -326,11 +326,13 @@ def test_checkov_finds_nothing_unwaived_in_the_pod_templates(folder, tmp_path):
                            for f in [folder, *(["trainjob-runtime"] if folder in TRAINJOBS else [])])
     wrapped = subprocess.run([sys.executable, "k8s/render.py", "--as-jobs"], cwd=ROOT, input=built, capture_output=True, text=True, check=True).stdout
     jobs = [d for d in yaml.safe_load_all(wrapped) if d]
-    assert len(jobs) == sum(len(every_pod_template(d)) for d in manifests(folder)) + (folder in TRAINJOBS) >= 1
+    services = [d for d in manifests(folder) if d["kind"] == "Service"]  # scanned as they are, with their own waivers
+    assert len(jobs) == sum(len(every_pod_template(d)) for d in manifests(folder)) + (folder in TRAINJOBS) + len(services) >= 1
     if folder in TRAINJOBS:  # checkov saw the job's own image and resources
         made = jobs[0]["spec"]["template"]["spec"]["containers"][0]
         assert made["resources"] == manifests(folder)[0]["spec"]["trainer"]["resourcesPerNode"] and made["args"][-1].startswith("checkpoint.dir=")
-    waivers = {v.split("=", 1)[0]: v.split("=", 1)[1] for k, v in jobs[0]["metadata"]["annotations"].items() if k.startswith("checkov.io/skip")}
+    waivers = {v.split("=", 1)[0]: v.split("=", 1)[1] for job in jobs for k, v in job["metadata"].get("annotations", {}).items()
+               if k.startswith("checkov.io/skip")}
     assert all(len(reason) > 20 for reason in waivers.values()), waivers  # each with its reason
     (tmp_path / "jobs.yaml").write_text(wrapped)
     results = checkov(tmp_path / "jobs.yaml", "kubernetes")
@@ -338,6 +340,8 @@ def test_checkov_finds_nothing_unwaived_in_the_pod_templates(folder, tmp_path):
     skipped = {c["check_id"] for c in results["skipped_checks"]}
     assert not failed, failed
     assert skipped == set(waivers), (skipped, waivers)  # no stale waiver either
+    scanned = {c["resource"].split(".")[0] for c in results["passed_checks"] + results["skipped_checks"]}
+    assert all("Service" in scanned for _ in services), scanned
     assert len(results["passed_checks"]) >= 40 * len(jobs)  # it did look (about 84 checks a template)
 
 
