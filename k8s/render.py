@@ -197,7 +197,8 @@ def check(docs: list[dict], image: str | None, nodes: int | None, gpus: int | No
                               "TrainJob's (make k8s-apply K8S=trainjob NODES=... GPUS=...)")
         if one_gpu(doc) and ((nodes or 1) > 1 or (gpus or 1) > 1):
             bigger = "trainjob" if doc["kind"] == "TrainJob" else "multi-node"
-            raise RenderError(f"{doc['metadata']['name']} is one pod with one GPU, not NODES={nodes} GPUS={gpus}; use K8S={bigger} for more")
+            asked = " ".join(f"{k}={v}" for k, v in (("NODES", nodes), ("GPUS", gpus)) if v is not None)
+            raise RenderError(f"{doc['metadata']['name']} is one pod with one GPU, not {asked}; use K8S={bigger} for more")
 
 
 def _resources(gpus: int) -> dict:

@@ -811,7 +811,9 @@ def test_torchx_local_from_the_tools_venv_runs_the_repositorys_venv_or_says_what
              "--", "train.epochs=1", "train.plot=false"]
     no_torch = os.pathsep.join(d for d in os.environ["PATH"].split(os.pathsep) if ".venv" not in d)
     torchx_bin = str(tools_venv / "bin" / "torchx")
-    p = run([torchx_bin, *local], env=env(TORCHX_LOG_DIR=str(tmp_path / "logs"), PATH=no_torch), timeout=600, check=False)
+    # as written: the venv activated, then `torchx run ...` from PATH
+    p = run(["bash", "-c", f'source {tools_venv}/bin/activate && exec torchx "$@"', "torchx", *local],
+            env=env(TORCHX_LOG_DIR=str(tmp_path / "logs"), PATH=no_torch), timeout=600, check=False)
     out = p.stdout + p.stderr
     assert "Job finished: SUCCEEDED" in out and list((tmp_path / "ck").glob("step-*/meta.json")), out[-3000:]
     clone = tmp_path / "clone"  # the tracked files, no .venv
@@ -901,6 +903,23 @@ def test_torchx_slurm_dryrun_asks_for_the_right_resources():
     assert "--nproc-per-node 4" in script and "--nnodes 2" in script and "checkpoint.dir=/shared/ckpt/cifar" in script
     assert "/root/" not in script and sys.executable not in script  # no path of the submitting machine in the job
     assert "--rdzv-backend c10d" in script
+
+
+def test_torchx_slurm_jobs_sharing_a_node_get_their_own_port_and_memory_by_the_gpu():
+    """Two TorchX jobs on one Slurm node: rendezvous ports of their own, agreed by every node with no
+    word (from the job id); elsewhere (a pod) 29500. An 8-GPU node asks 8 GiB per GPU, not 32 GB."""
+    import re
+
+    p = torchx("run", "--workspace", "", "--dryrun", "-s", "slurm", "trainer/launch/components.py:train_ddp", "--j", "2x8",
+               "--checkpoint_dir", "/shared/ckpt/cifar")
+    script = scheduler_request(p.stdout)
+    assert all("--mem=65536" in line for line in script.splitlines() if line.startswith("#SBATCH --job-name")), script
+    endpoint = re.search(r"--rdzv-endpoint \"([^\"]+)\"", script)[1]
+    ports = {job: subprocess.run(["bash", "-c", f'echo "{endpoint}"'], capture_output=True, text=True, check=True,
+                                 env={"PATH": os.environ["PATH"], "TORCHX_RANK0_HOST": "node1", **({"SLURM_JOB_ID": job} if job else {})}).stdout.strip()
+             for job in ("7", "1007", "")}
+    assert ports[""].endswith(":29500") and len(set(ports.values())) == 3, ports
+    assert all(20000 <= int(v.rsplit(":", 1)[1]) < 40000 for v in ports.values()), ports
 
 
 def test_torchx_takes_an_etcd_rendezvous_endpoint():
@@ -1059,7 +1078,8 @@ def test_the_cluster_targets_need_only_a_small_venv_without_torch(tools_venv):
 @pytest.mark.slow
 @pytest.mark.parametrize("args, words", [
     (["K8S=single-gpu", "GPUS=4", "NODES=3"], "is one pod with one GPU"),
-    (["K8S=single-gpu", "NODES=2"], "is one pod with one GPU"),
+    (["K8S=single-gpu", "NODES=2"], "is one pod with one GPU, not NODES=2; use K8S=multi-node"),
+    (["K8S=trainjob-single", "GPUS=4"], "is one pod with one GPU, not GPUS=4; use K8S=trainjob"),
     (["GPUS="], "GPUS='' is not a whole number"),
     (["NODES=two"], "NODES='two' is not a whole number"),
     (["K8S=multinode"], "K8S=multinode is not a job folder of k8s/; use one of: "),

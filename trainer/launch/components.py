@@ -80,8 +80,11 @@ def _role(
     the first replica (torchx's rank-0 host macro), or etcd-v2 at ``rdzv_endpoint``, the app id as
     rendezvous id."""
     min_nnodes, max_nnodes, nproc_per_node, nnodes = parse_nnodes(j)
-    # multi-node: the rank-0 host as each scheduler exposes it (escaped $ for torchx's templating)
-    endpoint = "localhost:0" if max_nnodes == 1 else f"$${{{macros.rank0_env}:=localhost}}:{RDZV_PORT}"
+    # multi-node: the rank-0 host as each scheduler exposes it (escaped $ for torchx's templating);
+    # on Slurm a port of the job's own (two jobs may share a node, and its nodes agree on it without
+    # a word: 20000 + the job id mod 20000), elsewhere RDZV_PORT, the pod's own
+    port = f"$$((20000 + $${{SLURM_JOB_ID:-{RDZV_PORT - 20000}}} % 20000))"
+    endpoint = "localhost:0" if max_nnodes == 1 else f"$${{{macros.rank0_env}:=localhost}}:{port}"
     backend = "etcd-v2" if rdzv_endpoint else "c10d"
     endpoint = rdzv_endpoint or endpoint
     torchrun = ["--rdzv-backend", backend, "--rdzv-id", macros.app_id, "--nnodes", nnodes, "--nproc-per-node", str(nproc_per_node),
@@ -105,7 +108,7 @@ def train_ddp(
     j: str = "1x2",
     gpu: int = -1,
     cpu: int = 8,
-    memMB: int = 32768,
+    memMB: int = -1,
     h: Optional[str] = None,
     config: str = "configs/default.yaml",
     checkpoint_dir: str = "/checkpoints/cifar",
@@ -132,7 +135,8 @@ def train_ddp(
         gpu: GPUs per node: -1 (the default) asks one per process of ``j`` (2x8: 8), 0 makes a CPU job
             with gloo
         cpu: CPUs per node
-        memMB: memory per node in MB
+        memMB: memory per node in MB: -1 (the default) asks 8 GiB per GPU (per process on the CPU),
+            as the Kubernetes manifests do
         h: a registered named resource (takes precedence over cpu, gpu and memMB)
         config: trainer config file inside the image (configs/*.yaml)
         checkpoint_dir: where rank 0 writes checkpoints; keep it stable so a relaunch resumes
@@ -158,6 +162,8 @@ def train_ddp(
     nproc = j.rsplit("x", 1)[-1]
     if gpu < 0:  # one GPU per process, as the DDP ranks need; a CPU job must say gpu=0
         gpu = int(nproc) if nproc.isdigit() else 1
+    if memMB < 0:  # 8 GiB per GPU: an 8-GPU node is not given the memory of one
+        memMB = 8192 * max(gpu, int(nproc) if nproc.isdigit() else 1)
     checkpoint_root = checkpoint_dir.rstrip("/").rsplit("/", 1)[0] or "/"
     mounts = _mounts(checkpoint_mount, checkpoint_root, data_mount, data_dir, mount_type)
     expected = [f"{checkpoint_root}={checkpoint_mount}"] * bool(checkpoint_mount) + [f"{data_dir}={data_mount}"] * bool(data_mount)
