@@ -63,7 +63,8 @@ def test_imagefolder_reads_tarballs_and_resizes(tmp_path):
     root = tarballs(tmp_path, size=40)
     train, _ = data.load(cfg_for(root, tmp_path))
     assert train.images.shape == (12, 3, 32, 32) and train.classes == ["blue", "green", "red"]
-    assert list(root.glob("*.uint8.pt")), "decoded once into a cache beside the data"
+    assert list((tmp_path / ".data-cache").glob("*.uint8.pt")), "decoded once into a cache beside the run folders"
+    assert not [f for f in root.iterdir() if f.suffix not in (".gz",)], "nothing written among the user's files"
 
 
 def test_corrupt_images_are_skipped_with_a_warning(tmp_path, warned):
@@ -108,7 +109,8 @@ def test_concurrent_processes_share_one_decode(tmp_path):
         p.join(120)
         assert p.exitcode == 0
     assert len({q.get() for _ in procs}) == 1
-    assert len(list(root.glob("*.uint8.pt"))) == 1 and not list(root.glob(".*.tmp"))
+    cache = tmp_path / ".data-cache"
+    assert len(list(cache.glob("*.uint8.pt"))) == 1 and not list(cache.glob(".*.tmp")) and not list(root.glob("*.uint8.pt"))
 
 
 def test_data_command_prepares_the_cache(tmp_path):
@@ -136,7 +138,7 @@ def test_a_damaged_cache_is_rebuilt_with_a_warning(tmp_path, warned):
     root = make_folder(tmp_path / "d")
     cfg = cfg_for(root, tmp_path)
     first, _ = data.load(cfg)
-    cache = next(root.glob("*.uint8.pt"))
+    cache = next((tmp_path / ".data-cache").glob("*.uint8.pt"))
     cache.write_bytes(cache.read_bytes()[: cache.stat().st_size // 3])
     again, _ = data.load(cfg)
     warned("is damaged .*decoding the data set again")

@@ -79,8 +79,8 @@ class DataConfig:
     download: bool = True
     """Download CIFAR-10 when it is not in data.dir (one process per machine; the others wait)."""
     cache_dir: str | None = None
-    """Where the decoded uint8 cache goes (default: data.dir, or checkpoint.dir when data.dir is
-    read-only)."""
+    """Where the decoded uint8 cache goes (default: an image folder's in .data-cache beside the run
+    folders, a downloaded set's in data.dir; checkpoint.dir when neither is writable)."""
     train_subset: int = 0
     """Train on this many images drawn at random (0 = all)."""
     test_subset: int = 0

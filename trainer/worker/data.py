@@ -115,7 +115,15 @@ def _save_atomic(obj: dict, path: Path) -> None:
 
 
 def _cache_folders(cfg: Config) -> list[Path]:
-    return [Path(cfg.data.cache_dir)] if cfg.data.cache_dir else [Path(cfg.data.dir), Path(cfg.checkpoint.dir) / ".data-cache"]
+    """Where the decoded cache may be, the first writable one for a new one. Your image folder is
+    yours: its cache goes beside the run folders (``.data-cache`` of checkpoint.dir's parent, which
+    the runs of that folder share), not among your images; a downloaded set's, beside it. A cache
+    found in any of them is read (one a data step wrote beside the images too)."""
+    if cfg.data.cache_dir:
+        return [Path(cfg.data.cache_dir)]
+    root, own = Path(cfg.checkpoint.dir).resolve().parent, Path(cfg.checkpoint.dir) / ".data-cache"
+    beside_runs = [root / ".data-cache"] if cfg.data.name == "imagefolder" and root != root.parent else []  # not /.data-cache
+    return [*beside_runs, Path(cfg.data.dir), own]
 
 
 def _cache_file(cfg: Config, key: str) -> Path | None:
