@@ -172,3 +172,40 @@ def test_normalize_is_exact_and_in_the_models_layout(channels_last):
     assert torch.equal(out, (x.float() - aug.mean) * aug.inv_std) and out.dtype == torch.float32
     assert out.is_contiguous(memory_format=torch.channels_last) == channels_last
     assert x.is_contiguous()  # the input is left as it was
+
+
+def test_a_loader_worker_ignores_a_groups_sigterm_and_ends_at_its_parents_exit_after_an_error(tmp_path):
+    """torchrun and Slurm send SIGTERM to the whole group: a worker ignores it (its process saves and
+    stops). A process that ends on an error whose traceback holds the iterator: multiprocessing's
+    exit hook sends the workers SIGTERM and waits, and they end (they used to ignore it: no exit)."""
+    import subprocess
+    import sys
+    import time
+
+    from conftest import ROOT, env
+
+    script = tmp_path / "ends_on_an_error.py"
+    script.write_text(
+        "import os, subprocess, sys, time\n"
+        "from torch.utils.data import DataLoader, Dataset\n"
+        "from trainer.worker.loader import quiet_worker\n"
+        "class D(Dataset):\n"
+        "    def __len__(self): return 100\n"
+        "    def __getitem__(self, i):\n"
+        "        if i == 50: raise ValueError('bad input')\n"
+        "        return os.getpid() if i == 0 else i\n"
+        "it = iter(DataLoader(D(), batch_size=None, num_workers=1, persistent_workers=True, worker_init_fn=quiet_worker))\n"
+        "worker = next(it)\n"
+        "subprocess.run(['kill', '-TERM', str(worker)], check=True)  # another process's SIGTERM, as torchrun's\n"
+        "time.sleep(1)\n"
+        "os.kill(worker, 0)  # still there\n"
+        "print('worker survived', flush=True)\n"
+        "try:\n"
+        "    for _ in it: pass\n"
+        "except ValueError as e:\n"
+        "    kept = e\n"
+        "    sys.exit(2)\n")
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "worker survived" in p.stdout, p.stdout + p.stderr
+    assert time.monotonic() - t0 < 60  # not left waiting on its worker

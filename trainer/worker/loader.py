@@ -34,10 +34,22 @@ def quiet_worker(_: int) -> None:
     """A DataLoader worker leaves stop signals to its process: torchrun's re-form and Slurm send
     SIGTERM to every process of the worker's group, and a worker killed by it made the training
     process fail ("DataLoader worker ... is killed by signal: Terminated") instead of saving and
-    stopping. A worker ends with its DataLoader, or when its parent is gone."""
+    stopping. A worker ends with its DataLoader, or when its parent is gone, or at a SIGTERM from
+    its parent alone: multiprocessing's exit hook sends one to each worker still up (an error's
+    traceback holding their iterator) and waits for it, which would otherwise be forever."""
+    import os
     import signal
+    import threading
 
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    parent = os.getppid()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # taken by the thread below, not by Python's handler
+
+    def parents_sigterm() -> None:
+        while True:
+            if signal.sigwaitinfo({signal.SIGTERM}).si_pid == parent:
+                os._exit(0)
+
+    threading.Thread(target=parents_sigterm, name="parent-sigterm", daemon=True).start()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
