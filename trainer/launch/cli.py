@@ -295,7 +295,7 @@ def launch(nproc_per_node, max_restarts, config_file, overrides):
     the first line, and trains on the synthetic set where CIFAR-10 cannot be downloaded."""
     gpus = gpu_count()
     picked = config_file == "auto"
-    overrides = list(overrides)
+    overrides, why = list(overrides), ""
     if picked:
         config_file, why = pick_config(gpus)
     cfg = load_config(config_file, overrides)
@@ -303,37 +303,53 @@ def launch(nproc_per_node, max_restarts, config_file, overrides):
         nproc_per_node = str(gpus or 2)
     if not nproc_per_node.isdigit() or int(nproc_per_node) < 1:
         raise ConfigError(f"--nproc-per-node={nproc_per_node} must be a positive number or auto")
+    nproc = int(nproc_per_node)
     check_devices(cfg, gpus > 0)
+    if picked:
+        cfg = say_the_pick(cfg, config_file, overrides, nproc, why)
+    check_batch(cfg, nproc)
     from trainer.launch.check import resume_from
-    from trainer.worker import data as datasets
 
-    if picked and cfg.data.name in ("imagefolder", "shards"):  # DATA=: the picked job made to fit the images, on the first line
-        fitted, said = fit_to_images(cfg, overrides, int(nproc_per_node))
-        click.echo(f"{why.split(':')[0]}: {config_file}, fitted to the images in {cfg.data.dir}: {said}; ARGS= sets any of them", err=True)
-        overrides += fitted
-        cfg = load_config(config_file, overrides)
-    elif picked:
-        click.echo(why, err=True)
-    check_batch(cfg, int(nproc_per_node))
     resume_from(cfg)  # a resume path that is wrong: its line now, before a download or a decode
-
-    plan = datasets.plan(cfg, None, int(nproc_per_node))  # data.image_size resolved, as the workers will
-    if not plan.stream and not datasets.ready(cfg):
-        try:
-            datasets.load(cfg)  # decoded once, into the uint8 cache that the workers then read
-        except datasets.NotDownloaded as e:
-            if not picked:  # the user named this config: its data or nothing
-                raise
-            overrides.append("data.name=synthetic")
-            click.echo(f"CIFAR-10 could not be downloaded ({e.reason}): training on the synthetic set instead (generated images: "
-                       "its accuracy says nothing of CIFAR-10). With a copy of CIFAR-10 here: make run-local DATA=/path/to/cifar10", err=True)
-            datasets.load(load_config(config_file, overrides))
+    prepare_data(cfg, config_file, overrides, nproc, picked)
     # torchrun sets one thread per process and prints four lines about it; share the cores instead
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // int(nproc_per_node))))
-    args = ["--standalone", f"--nproc-per-node={nproc_per_node}", f"--max-restarts={max_restarts}", "-m", "trainer", "train"]
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // nproc)))
+    args = ["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}", "-m", "trainer", "train"]
     args += (["--config", config_file] if config_file else []) + overrides
     click.echo("torchrun " + " ".join(args), err=True)
     sys.exit(_supervised(args))
+
+
+def say_the_pick(cfg, config_file: str, overrides: list[str], nproc: int, why: str):
+    """The first line of --config auto: the job picked, and with DATA= (your images) what was
+    fitted to them (added to ``overrides``). The config as it now stands."""
+    if cfg.data.name not in ("imagefolder", "shards"):
+        click.echo(why, err=True)
+        return cfg
+    fitted, said = fit_to_images(cfg, overrides, nproc)
+    click.echo(f"{why.split(':')[0]}: {config_file}, fitted to the images in {cfg.data.dir}: {said}; ARGS= sets any of them", err=True)
+    overrides += fitted
+    return load_config(config_file, overrides)
+
+
+def prepare_data(cfg, config_file: str, overrides: list[str], nproc: int, picked: bool) -> None:
+    """The data set decoded once into the uint8 cache the workers then read (not for a streamed
+    set). A picked job whose CIFAR-10 cannot be downloaded trains on the synthetic set, and says
+    so (``overrides`` gets data.name=synthetic); a named config gets its data or its error."""
+    from trainer.worker import data as datasets
+
+    plan = datasets.plan(cfg, None, nproc)  # data.image_size resolved, as the workers will
+    if plan.stream or datasets.ready(cfg):
+        return
+    try:
+        datasets.load(cfg)
+    except datasets.NotDownloaded as e:
+        if not picked:
+            raise
+        overrides.append("data.name=synthetic")
+        click.echo(f"CIFAR-10 could not be downloaded ({e.reason}): training on the synthetic set instead (generated images: "
+                   "its accuracy says nothing of CIFAR-10). With a copy of CIFAR-10 here: make run-local DATA=/path/to/cifar10", err=True)
+        datasets.load(load_config(config_file, overrides))
 
 
 def pick_config(gpus: int) -> tuple[str, str]:

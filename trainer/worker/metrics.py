@@ -393,6 +393,18 @@ def plot_curves(log: RunLog, png: Path, title: str = "") -> Path | None:
     return png
 
 
+def _throughput(ax, steps: list[int], rates: list[float]) -> None:
+    """The images/s of each log window; a short run's one or two as points (a line of one point
+    does not show); none yet said in words, not as empty axes."""
+    ax.set(xlabel="step", ylabel="images/s", title="Throughput (each log window)")
+    if not steps:
+        ax.text(0.5, 0.5, "no log window yet\n(one every train.log_every steps)", ha="center", va="center", transform=ax.transAxes)
+        ax.set(xticks=[], yticks=[])
+        return
+    ax.plot(steps, rates, lw=1, color="tab:purple", marker="o" if len(steps) < 5 else None)
+    ax.set_ylim(bottom=0)
+
+
 def draw_curves(logs: list[dict], epochs: list[dict], title: str):
     """Three panels: the loss at every log line (and each epoch's mean), the images/s of each log
     window, and the test accuracy per epoch on whole-epoch ticks; ``title`` above. After a resume,
@@ -415,13 +427,7 @@ def draw_curves(logs: list[dict], epochs: list[dict], title: str):
         loss.plot(*zip(*ends, strict=True), "o", color="tab:red", label="epoch mean")
     loss.set(xlabel="step", ylabel="train loss", title="Training loss")
     loss.legend(loc="upper right", fontsize="small")
-    speed.set(xlabel="step", ylabel="images/s", title="Throughput (each log window)")
-    if steps:  # a short run has one or two windows: points, not an invisible line
-        speed.plot(steps, [by_step[k]["images_per_s"] for k in steps], lw=1, color="tab:purple", marker="o" if len(steps) < 5 else None)
-        speed.set_ylim(bottom=0)
-    else:
-        speed.text(0.5, 0.5, "no log window yet\n(one every train.log_every steps)", ha="center", va="center", transform=speed.transAxes)
-        speed.set(xticks=[], yticks=[])
+    _throughput(speed, steps, [by_step[k]["images_per_s"] for k in steps])
     tested = [(e, 100 * r["test_acc"]) for e, r in sorted(by_epoch.items()) if r.get("test_acc") is not None]
     if tested:
         acc.plot([e for e, _ in tested], [a for _, a in tested], marker="o", color="tab:green")  # epochs count from 1
