@@ -89,8 +89,7 @@ def job_config(doc: dict) -> tuple[str, list[str]] | None:
         return None
     tail = line[line.index("train") + 1 :] if "train" in line else []
     config = tail[tail.index("--config") + 1] if "--config" in tail else None
-    overrides = [a for a in tail if "=" in a and not a.startswith("--") and not a.startswith("$(")]
-    return config, [o for o in overrides if "$(" not in o]
+    return config, [a for a in tail if "=" in a and not a.startswith("--") and "$(" not in a]  # $(VAR): the pod's, not here
 
 
 def job_size(doc: dict) -> tuple[str, int] | None:

@@ -434,7 +434,11 @@ def train_images(cfg: Config) -> int | None:
         from trainer.worker import shards
 
         return shards.read_index(Path(cfg.data.dir), "train")["images"]
-    folder = Path(cfg.data.dir) / "train"
+    return _split_images(Path(cfg.data.dir) / "train")
+
+
+def _split_images(folder: Path) -> int | None:
+    """Images of a split's class folders (a listing, no decode); None for a tarball."""
     if not folder.is_dir():
         return None
     return sum(1 for c in folder.iterdir() if c.is_dir() for f in c.iterdir() if f.suffix.lower() in IMAGE_SUFFIXES)
@@ -442,14 +446,8 @@ def train_images(cfg: Config) -> int | None:
 
 def _count_images(cfg: Config) -> int | None:
     """Images of an image folder's class folders (a listing, no decode); None for tarballs."""
-    root = Path(cfg.data.dir)
-    total = 0
-    for split in ("train", "test"):
-        folder = root / split
-        if not folder.is_dir():
-            return None
-        total += sum(1 for c in folder.iterdir() if c.is_dir() for f in c.iterdir() if f.suffix.lower() in IMAGE_SUFFIXES)
-    return total
+    counts = [_split_images(Path(cfg.data.dir) / split) for split in ("train", "test")]
+    return None if None in counts else sum(counts)
 
 
 def plan(cfg: Config, cuda_total: int | None, local_procs: int) -> Plan:

@@ -117,18 +117,13 @@ def decode_jpegs(raws: tuple[torch.Tensor, list[int]], size: int, device: torch.
     decoded, which did). One nvjpeg call; where one image fails it, each alone finds which."""
     from torchvision.io import ImageReadMode, decode_jpeg
 
-    from trainer.worker.stream import boxes, crop_batch
+    from trainer.worker.stream import boxes, crop_batch, decode_each
 
     views = list(torch.split(raws[0], raws[1]))  # nvjpeg reads the bytes from host memory
     try:
         images = decode_jpeg(views, mode=ImageReadMode.RGB, device=device)
-    except RuntimeError:
-        images = []
-        for raw in views:
-            try:
-                images.append(decode_jpeg(raw, mode=ImageReadMode.RGB, device=device))
-            except RuntimeError:
-                images.append(None)
+    except RuntimeError:  # one bad JPEG fails the batched call
+        images, _ = decode_each(views, lambda raw: decode_jpeg(raw, mode=ImageReadMode.RGB, device=device))
     decoded = [im is not None for im in images]
     images = [im for im in images if im is not None]
     if not images:
