@@ -127,6 +127,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture
+def etcd_server(tmp_path):
+    """A real etcd (Debian's etcd-server) with its v2 API on a free local port: the port."""
+    import time
+
+    import etcd
+
+    port = free_port()
+    server = subprocess.Popen(["etcd", "--data-dir", str(tmp_path / "etcd"), "--enable-v2", f"--listen-client-urls=http://127.0.0.1:{port}",
+                               f"--advertise-client-urls=http://127.0.0.1:{port}", f"--listen-peer-urls=http://127.0.0.1:{free_port()}"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 30
+        while time.time() < deadline:  # serving: its v2 API answers
+            try:
+                etcd.Client(port=port).read("/")
+                break
+            except etcd.EtcdException:
+                time.sleep(0.2)
+        yield port
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
 def trainer_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "trainer", *args]
 

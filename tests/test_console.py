@@ -23,7 +23,7 @@ frame #1: <unknown function> + 0x5a1c (0x7f01 in libtorch_cpu.so)
 
 frame #43: __libc_start_main + 0x80 (0x7f02 in libc.so.6)
 E1206 07:02:12.000000 311 torch/distributed/elastic/multiprocessing/api.py:874] failed (exitcode: -9) local_rank: 0 (pid: 312) of binary
-rank 1 (node2) lost rank 0 (node1) at step 137: torchrun tries to restart the group
+rank 1 (node2) lost rank 0 (node1) at step 137: torchrun goes back to its rendezvous to re-form the group
 """
 
 
@@ -32,7 +32,7 @@ def test_native_lines_and_their_backtraces_leave_the_console_and_the_projects_st
     relay = Relay(io.BytesIO(LOST_STORE), tmp_path / "run" / "native-stderr.txt", console).start()
     relay.join()
     assert console.getvalue().decode().splitlines() == [
-        "epoch 2/4 step 40/97 loss 1.2345 5,000 img/s eta 0m30s", "rank 1 (node2) lost rank 0 (node1) at step 137: torchrun tries to restart the group"]
+        "epoch 2/4 step 40/97 loss 1.2345 5,000 img/s eta 0m30s", "rank 1 (node2) lost rank 0 (node1) at step 137: torchrun goes back to its rendezvous to re-form the group"]
     kept = (tmp_path / "run" / "native-stderr.txt").read_bytes()
     assert relay.diverted == 8 and kept.count(b"frame #") == 3 and b"failed (exitcode: -9)" in kept
     assert not NATIVE.match(b"Warning: a Python warning stays\n") and not NATIVE.match(b"error: train.batch_size ...\n")

@@ -22,7 +22,7 @@ def test_a_gloo_error_names_the_rank_and_host_it_lost(monkeypatch):
     line = crash.describe(error, 0, 57, HOSTS, 300)
     assert line.endswith("lost rank 2 (node2) at step 57: Read error [10.9.1.12]:40567: Connection reset by peer"), line
     assert "pair.cc" not in line
-    assert crash.what_next(None) == "torchrun tries to restart the group from the start (no checkpoint yet) (2 restart(s) left)"
+    assert crash.what_next(None) == "torchrun goes back to its rendezvous to re-form the group from the start (no checkpoint yet) (2 restart(s) left)"
 
 
 def test_an_unknown_peer_a_timeout_and_a_bug_each_read_as_one_line(tmp_path, monkeypatch):

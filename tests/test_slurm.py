@@ -237,32 +237,17 @@ def test_your_images_from_a_folder_to_a_model_on_slurm(tmp_path):
     assert f"shards {tmp_path / 'myset-shards'}: 240 train / 60 test images, 10 classes, 32 px" in out and "streamed from shards" in out
 
 
-def test_an_etcd_rendezvous_endpoint_takes_the_place_of_the_first_nodes(tmp_path):
+def test_an_etcd_rendezvous_endpoint_takes_the_place_of_the_first_nodes(tmp_path, etcd_server):
     """RDZV_ENDPOINT=HOST:PORT (an etcd server, v2 API): the job's rendezvous is torchrun's
     etcd-v2 one there, its state under the job id, and the job trains as with c10d."""
     import etcd
-    from conftest import free_port
 
-    port = free_port()
-    server = subprocess.Popen(["etcd", "--data-dir", str(tmp_path / "etcd"), "--enable-v2", f"--listen-client-urls=http://127.0.0.1:{port}",
-                               f"--advertise-client-urls=http://127.0.0.1:{port}", f"--listen-peer-urls=http://127.0.0.1:{free_port()}"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.time() + 30
-        while time.time() < deadline:  # serving: its v2 API answers
-            try:
-                etcd.Client(port=port).read("/")
-                break
-            except etcd.EtcdException:
-                time.sleep(0.2)
-        job = sbatch("slurm/ddp.sh", tmp_path, "train.epochs=1", extra_env={"RDZV_ENDPOINT": f"127.0.0.1:{port}"})
-        out = log(tmp_path, job)
-        assert job_field(job, "ExitCode") == "0:0" and "done: step" in out, out
-        assert f"rendezvous at 127.0.0.1:{port}," in out, out
-        assert etcd.Client(port=port).read(f"/torch/elastic/rendezvous/{job}", recursive=True).key, "no rendezvous state in etcd"
-    finally:
-        server.terminate()
-        server.wait(10)
+    port = etcd_server
+    job = sbatch("slurm/ddp.sh", tmp_path, "train.epochs=1", extra_env={"RDZV_ENDPOINT": f"127.0.0.1:{port}"})
+    out = log(tmp_path, job)
+    assert job_field(job, "ExitCode") == "0:0" and "done: step" in out, out
+    assert f"rendezvous at 127.0.0.1:{port}," in out, out
+    assert etcd.Client(port=port).read(f"/torch/elastic/rendezvous/{job}", recursive=True).key, "no rendezvous state in etcd"
 
 
 def test_the_batch_script_finds_pretrained_weights_in_the_shared_folder(tmp_path):

@@ -462,14 +462,14 @@ def test_an_agent_with_a_live_worker_is_left_alone(monkeypatch):
      ["--rdzv-conf=read_timeout=600,last_call_timeout=5,keep_alive_interval=3", "--nnodes=2:3", "--rdzv-backend=c10d", "-m", "trainer"]),
     (["--nnodes=2:3", "--rdzv-backend=c10d", "--rdzv-conf=last_call_timeout=20,read_timeout=9,keep_alive_interval=5", "-m", "trainer"],
      ["--nnodes=2:3", "--rdzv-backend=c10d", "--rdzv-conf=last_call_timeout=20,read_timeout=9,keep_alive_interval=5", "-m", "trainer"]),
-    (["--nnodes=2:3", "--rdzv-backend=etcd-v2", "-m", "trainer"], ["--rdzv-conf=last_call_timeout=2", "--nnodes=2:3", "--rdzv-backend=etcd-v2", "-m", "trainer"]),
+    (["--nnodes=2:3", "--rdzv-backend=etcd-v2", "-m", "trainer"], ["--rdzv-conf=last_call_timeout=2,keep_alive_interval=3", "--nnodes=2:3", "--rdzv-backend=etcd-v2", "-m", "trainer"]),
     (["--nnodes=2", "--rdzv-backend=etcd-v2", "-m", "trainer"], ["--nnodes=2", "--rdzv-backend=etcd-v2", "-m", "trainer"]),
 ])
 def test_store_reads_wait_as_long_as_the_rendezvous_and_elastic_groups_re_form_soon(argv, expected):
     """A store read that times out on a cut link leaves the agent's connection out of step
     (tests/test_hosts.py shows the job ending): reads wait as long as join_timeout, unless given.
     An elastic range re-forms 5 s after its MIN nodes are back, unless given."""
-    from trainer.launch.rendezvous import with_rdzv_defaults
+    from trainer.launch.torchrun_args import with_rdzv_defaults
 
     assert with_rdzv_defaults(argv) == expected
 

@@ -357,6 +357,30 @@ def test_a_rank_blocked_in_its_data_read_is_named(store):
     assert "every rank is alive" in waiting.culprit(12)
 
 
+def test_ranks_of_one_group_see_each_other_whatever_their_agents_restart_counts(store, monkeypatch):
+    """A node that joined an elastic group later counts torchrun's restarts from 0 while the others
+    count on: keyed by that count, a live rank read as one that never reported."""
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    waiting = watchdog.Peers(0, 2, group="g1")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    joined = watchdog.Peers(1, 2, group="g1")
+    joined.host = "node2"
+    observe_for(waiting, 0.6, others=[(joined, "step")])
+    assert "every rank is alive" in waiting.culprit(12), waiting.culprit(12)
+    earlier = watchdog.Peers(1, 2, group="g0")  # the group before, in the same store: not this group's
+    earlier.note_failure()
+    assert "never reported" not in waiting.culprit(12)
+
+
+def test_a_store_whose_first_read_has_not_come_back_names_no_rank(store, monkeypatch):
+    """The store's host cut off: the read blocks. Until it has answered once, nothing is known of
+    any rank, and no live rank may be named as the one waited for."""
+    peers = watchdog.Peers(1, 3)
+    peers._since = time.monotonic() - 40  # began to look 40 s ago; the read still blocks
+    clause = peers.culprit(5)
+    assert "has not answered for 40 s" in clause and "rank(s)" not in clause, clause
+
+
 def test_a_store_that_does_not_answer_names_rank_0s_host(monkeypatch):
     from conftest import free_port
 

@@ -120,7 +120,7 @@ def _train(cfg, started: float) -> int:
     record_start()  # a group killed before its workers record an exit is not taken for the one before it
     run, hosts, line = None, [], ""
     try:
-        hosts = gather_hosts(rt)  # rank -> host and addresses, to name a peer that is lost later, or slow
+        hosts, rt = gather_hosts(rt)  # rank -> host and addresses, to name a peer that is lost later, or slow
         run = build(cfg, rt, started)
         run.hosts = hosts
         try:

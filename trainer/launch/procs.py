@@ -18,6 +18,14 @@ def has_children(pid: int) -> bool | None:
         return None
 
 
+def live_children(pid: int) -> frozenset[int] | None:
+    """The pids of the process's live children; None if the process itself is gone."""
+    try:
+        return frozenset(c.pid for c in psutil.Process(pid).children() if state(c.pid) not in (None, *GONE))
+    except psutil.NoSuchProcess:
+        return None
+
+
 def kill_children(pid: int) -> None:
     """SIGKILL every child of ``pid`` (torchrun's workers): torchrun then restarts its group."""
     try:

@@ -53,7 +53,7 @@ from trainer.contract import EXIT_CRASH, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE, sa
 from trainer.launch import slurm
 from trainer.launch.console import Relay
 from trainer.launch.procs import GONE, has_children, state
-from trainer.launch.rendezvous import endpoint, option, rdzv_conf, training_config, with_rdzv_defaults
+from trainer.launch.torchrun_args import endpoint, option, rdzv_conf, training_config, with_rdzv_defaults
 
 EXIT_POLICY_ENV = "TRAINER_EXIT_POLICY"
 """``exitcode``: the codes for a launcher that retries 128-255 only (see the module docstring)."""

@@ -13,7 +13,8 @@ import signal
 import sys
 
 from trainer.contract import EXIT_CRASH, say
-from trainer.launch.rendezvous import Reporter, rendezvous_failure
+from trainer.launch.rendezvous import Reporter
+from trainer.launch.torchrun_args import rendezvous_failure
 
 
 def main(argv: list[str]) -> int:

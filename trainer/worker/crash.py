@@ -3,8 +3,8 @@
 A lost peer (its host crashed, its link cut) reaches every surviving rank as an exception from
 deep inside autograd or a collective: gloo's ``Read error [10.1.0.11]:40567: Connection reset by
 peer``, NCCL's remote error, a collective timeout. The console gets one line that says which rank
-and host was lost or did not answer, at which step, and what happens next (torchrun restarts the
-group from the newest checkpoint, or the launcher's retry does); the whole traceback goes to
+and host was lost or did not answer, at which step, and what happens next (torchrun goes back to its
+rendezvous to re-form the group from the newest checkpoint, or the launcher's retry resumes); the whole traceback goes to
 ``<run folder>/error-rank<R>.txt``. Any other crash reads the same way, naming the exception.
 
 The kind of failure comes from torch's typed errors first (``DistNetworkError``: a peer or the
@@ -56,9 +56,9 @@ def what_next(root: Path | None) -> str:
         return f"run the same command to resume {where}"
     left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if left > 0:
-        # a try, not an outcome: whether the group re-forms is known only at the rendezvous, and the
-        # launcher's console says it then (re-formed, or cannot reach the rendezvous)
-        return f"torchrun tries to restart the group {where} ({left} restart(s) left)"
+        # what torchrun does now, not what comes of it: whether the group re-forms is known only at
+        # the rendezvous, and the launcher's console says it then (re-formed, or cannot reach it)
+        return f"torchrun goes back to its rendezvous to re-form the group {where} ({left} restart(s) left)"
     return f"no torchrun restart left: the launcher's retry resumes {where}"
 
 

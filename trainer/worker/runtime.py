@@ -9,7 +9,7 @@ code path from a laptop to many nodes.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,9 @@ class Runtime:
     device: torch.device
     backend: str | None
     """Collective backend when a process group exists, else None."""
+    group: str = ""
+    """An id every rank of this process group shares (rank 0's, gathered with the hosts): what this
+    group writes to torchrun's store, which may outlive it, is kept apart from an earlier group's."""
 
     @property
     def is_main(self) -> bool:
@@ -160,19 +163,22 @@ def all_reduce_sum(rt: Runtime, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def gather_hosts(rt: Runtime) -> list[tuple[str, list[str]]]:
+def gather_hosts(rt: Runtime) -> tuple[list[tuple[str, list[str]]], Runtime]:
     """Every rank's host name and addresses, in rank order (one small all-gather when the group
-    forms): a worker that loses a peer later names it from the address in the error."""
+    forms): a worker that loses a peer later names it from the address in the error. With them
+    the runtime whose ``group`` is rank 0's random id."""
+    import secrets
     import socket
 
     from trainer.worker.crash import host_addresses
 
-    mine = (socket.gethostname(), host_addresses())
-    if not rt.collectives:
-        return [mine]
-    gathered: list = [None] * rt.world_size
-    dist.all_gather_object(gathered, mine)
-    return gathered
+    mine = (socket.gethostname(), host_addresses(), secrets.token_hex(6))
+    if rt.collectives:
+        gathered: list = [None] * rt.world_size
+        dist.all_gather_object(gathered, mine)
+    else:
+        gathered = [mine]
+    return [(host, addrs) for host, addrs, _ in gathered], replace(rt, group=gathered[0][2])
 
 
 def agree(rt: Runtime, error: BaseException | None) -> None:

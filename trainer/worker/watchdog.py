@@ -76,7 +76,7 @@ class Watchdog:
     KINDS = ("step", "save", "eval")
     """What a beat ends: its pauses are compared with the recent pauses of the same kind."""
 
-    def __init__(self, bound_s: float, root: Path, rank: int, timeout_s: float = 0.0, world_size: int = 1):
+    def __init__(self, bound_s: float, root: Path, rank: int, timeout_s: float = 0.0, world_size: int = 1, group: str = ""):
         self.bound_s, self.root, self.rank = float(bound_s), Path(root), rank
         # with other ranks, below their collective timeout (a process alone has none)
         self.ceiling_s = CEILING * timeout_s if timeout_s and world_size > 1 else float("inf")
@@ -98,7 +98,7 @@ class Watchdog:
         """This rank's last finished step, 8 bytes of a shared mapping written at every step (a memory
         store, no system call): what the supervisor reports of a stopped worker, exactly, where the
         heartbeat file is rewritten once a second."""
-        self.peers = Peers(rank, world_size) if world_size > 1 else None
+        self.peers = Peers(rank, world_size, group) if world_size > 1 else None
 
     @property
     def enabled(self) -> bool:
@@ -271,15 +271,19 @@ class Peers:
     A connection of its own to the store torchrun's workers share (MASTER_ADDR:MASTER_PORT, hosted
     by rank 0's process), with a short timeout: the training's own connection may be blocked."""
 
-    def __init__(self, rank: int, world_size: int):
+    def __init__(self, rank: int, world_size: int, group: str = ""):
         self.rank, self.world_size, self.host = rank, world_size, socket.gethostname()
         self._store = None
-        # this attempt's ranks only
-        self._prefix = f"trainer/watchdog/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        # this group's ranks only. Not torchrun's restart count: a node that joined later counts
+        # from 0 while the others count on, so the ranks of one group wrote under different keys and
+        # a live rank read as one that "never reported". torchrun's shared c10d store outlives the group.
+        self._prefix = f"trainer/watchdog/{group or os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
         self._seq = 0
         self._seen: dict[int, tuple[int, float, dict]] = {}
         """rank -> (its record's seq when first seen so, when that was, the record)."""
         self._since: float | None = None
+        self._read = False
+        """Whether a read of every record has ended since this rank began to look."""
         self.unreachable = ""
 
     def _connect(self):
@@ -347,7 +351,7 @@ class Peers:
 
     def forget(self) -> None:
         self._seen.clear()
-        self._since, self.unreachable = None, ""
+        self._since, self._read, self.unreachable = None, False, ""
 
     def observe(self) -> None:
         """Read every other rank's record (only while this rank's own progress is overdue)."""
@@ -363,7 +367,7 @@ class Peers:
                 seen = self._seen.get(r)
                 if seen is None or seen[0] != record["seq"]:
                     self._seen[r] = (record["seq"], now, record)
-            self.unreachable = ""
+            self.unreachable, self._read = "", True
         except Exception as e:  # noqa: BLE001
             self.unreachable, self._store = f"{type(e).__name__}", None
 
@@ -376,6 +380,9 @@ class Peers:
                     "rank 0 or its host is stopped, lost or cut off")
         if self._since is None:
             return ""
+        if not self._read:  # its first read has not come back: nothing is known of any rank
+            return (f"; the job's store at {os.environ.get('MASTER_ADDR')} (rank 0's host) has not answered for "
+                    f"{time.monotonic() - self._since:.0f} s: rank 0 or its host may be stopped, lost or cut off")
         # how long it has not run: since its last record was written (its host's clock, which the
         # cluster keeps in step), not since this rank began to look, a third of the bound late
         silent = {r: max(now - t, time.time() - rec.get("time", time.time())) for r, (_, t, rec) in seen.items() if now - t > 2 * PUBLISH_S + TICK_S}
