@@ -47,6 +47,16 @@ def test_verdict(torchrun_code, workers, expected):
     assert verdict(torchrun_code, workers) == expected
 
 
+@pytest.mark.parametrize("torchrun_code, workers, expected", [
+    (143, [], EXIT_PREEMPTED),       # stopped at its rendezvous, before any worker: nothing lost
+    (-15, [], EXIT_PREEMPTED),
+    (1, [], 1),                      # not a stop: a crash still
+    (143, [75, 1], 143),             # a worker crashed: a crash still
+])
+def test_verdict_of_a_stop_passed_on(torchrun_code, workers, expected):
+    assert verdict(torchrun_code, workers, signalled=True) == expected
+
+
 def test_the_exitcode_policy_moves_75_and_crashes_into_the_retried_range_until_a_node_makes_no_progress(tmp_path, monkeypatch):
     """TRAINER_EXIT_POLICY=exitcode, for a launcher that retries only 128-255 (Kubeflow's ExitCode):
     0 and 2 stay, 75 and crashes move up by 128, a signal's code stays; the third crash in a row
@@ -160,6 +170,27 @@ def test_a_stop_while_the_workers_start_gives_75_at_once_and_the_relaunch_trains
     assert not checkpoint.complete(ckpt) and gone(ckpt)
     again = run(trainer_cmd("launch", "--nproc-per-node", "2", *TINY, f"checkpoint.dir={ckpt}", "train.epochs=1"), check=False)
     assert again.returncode == 0 and "starting fresh" in again.stdout, again.stdout[-2000:] + again.stderr[-2000:]
+
+
+def test_a_stop_while_torchrun_waits_at_its_rendezvous_gives_75_in_a_line(ckpt):
+    """Slurm's time limit while the first node waits for the others (before torch installs its
+    signal handlers): torchrun died of the signal without a word, 143, which the job's script took
+    for a crash and did not requeue. Now: torchrun says it stopped, the supervisor 75."""
+    from conftest import free_port
+
+    agent = subprocess.Popen(trainer_cmd("torchrun", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+                                         f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=alone", "-m", "trainer", "train",
+                                         *TINY, f"checkpoint.dir={ckpt}"),
+                             cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and not any("trainer.launch.torchrun" in " ".join(c.cmdline()) for c in psutil.Process(agent.pid).children()):
+        time.sleep(0.1)
+    time.sleep(5)  # duration: torchrun is at its rendezvous, waiting for the second node
+    agent.send_signal(signal.SIGTERM)
+    out = agent.communicate(timeout=60)[0]
+    assert agent.returncode == EXIT_PREEMPTED, out
+    assert "torchrun: stopped on SIGTERM" in out and "Traceback" not in out and "Logging error" not in out, out
+    assert out.splitlines()[-1] == "stopped by SIGTERM before any worker started: nothing to save; exit 75 (run the same command to resume)", out
 
 
 @pytest.mark.slow

@@ -216,13 +216,17 @@ class LostRendezvous:
                 f"exiting {EXIT_CRASH} so that the scheduler starts the job again")
 
 
-def verdict(torchrun_code: int, codes: list[int]) -> int:
-    """The launcher's exit code from torchrun's and its workers' (see the module docstring)."""
+def verdict(torchrun_code: int, codes: list[int], signalled: bool = False) -> int:
+    """The launcher's exit code from torchrun's and its workers' (see the module docstring). A stop
+    passed on (``signalled``) before any worker started loses nothing: 75, as a worker stopped
+    while starting exits."""
     if EXIT_USAGE in codes:
         return EXIT_USAGE
     if torchrun_code == 0:
         return EXIT_OK
     if codes and all(c == EXIT_PREEMPTED for c in codes):
+        return EXIT_PREEMPTED
+    if signalled and not codes and torchrun_code in (-signal.SIGTERM, 128 + signal.SIGTERM, 128 + signal.SIGINT, 128 + signal.SIGHUP):
         return EXIT_PREEMPTED
     if torchrun_code < 0:  # killed by a signal
         return 128 - torchrun_code
@@ -390,6 +394,15 @@ def _error_file(message: str) -> None:
             pass
 
 
+def resumes_from(torchrun_args: list[str]) -> str:
+    """' from step-N', the newest complete checkpoint of the run folder, or ''."""
+    from trainer.worker.checkpoint.folder import newest_complete
+
+    cfg = training_config(torchrun_args)
+    found = newest_complete(Path(cfg.checkpoint.dir)) if cfg is not None and Path(cfg.checkpoint.dir).is_dir() else None
+    return f" from {found.name}" if found else ""
+
+
 def native_log(torchrun_args: list[str]) -> Path:
     """Where torch's native stderr lines go: the run folder's native-stderr.txt (else a temporary
     file, for a module other than the trainer's)."""
@@ -440,7 +453,8 @@ def supervise(torchrun_args: list[str], poll_s: float = 0.5) -> int:
     try:
         code, stopped_for_usage = _watch(proc, exit_dir, LostRendezvous(torchrun_args, proc.pid), limit, poll_s)
         relay.join()  # the workers' last lines before ours
-        final = verdict(code, recorded(exit_dir))
+        codes = recorded(exit_dir)
+        final = verdict(code, codes, signalled=bool(got) or (limit is not None and limit.reached))
         if final == EXIT_USAGE and not stopped_for_usage:
             _say_usage_error(exit_dir)
         if final == EXIT_USAGE:
@@ -448,8 +462,10 @@ def supervise(torchrun_args: list[str], poll_s: float = 0.5) -> int:
         if slurm.supervising():
             slurm.after(final, limit)
         code = for_launcher(final, torchrun_args, exit_policy())
-        if got and final == EXIT_PREEMPTED:
-            say(f"stopped by {signal.Signals(got[0]).name}; the workers saved a checkpoint: exit {code} (run the same command to resume)")
+        if (got or (limit is not None and limit.reached)) and final == EXIT_PREEMPTED:
+            what = signal.Signals(got[0]).name if got else "the job's time limit"
+            done = "; the workers saved a checkpoint" if codes else " before any worker started: nothing to save"
+            say(f"stopped by {what}{done}; exit {code} (run the same command to resume{resumes_from(torchrun_args)})")
         return code
     finally:
         for s, h in previous.items():
