@@ -123,7 +123,7 @@ def main(argv: list[str]) -> int:
     # venv has it; written once here, before the clock, for both scripts' imports.
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPYCACHEPREFIX": os.environ.get("PYTHONPYCACHEPREFIX", str(a.out / "pycache"))}
     env.pop("PYTHONDONTWRITEBYTECODE", None)
-    timed([sys.executable, "-c", "import torch, torchvision, safetensors.torch, trainer.launch.cli, trainer.worker.predict"], env=env)
+    timed([sys.executable, "-c", "import torch, torchvision, safetensors.torch, trainer.cli, trainer.worker.predict"], env=env)
     cases = ["plain", "predict"] + (["before"] if a.before else [])
     for case in cases * 2:  # each twice, taking turns: the page cache warm for all
         if case == "plain":

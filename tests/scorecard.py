@@ -6,7 +6,10 @@
     import cycles   groups of trainer modules that import each other, at any depth (a function's
                     local import counts: it hides the arrow, it does not remove it)
     upward arrows   a module outside trainer/launch/ (the worker side, and what both sides share)
-                    importing one of trainer/launch/
+                    importing one of trainer/launch/; the entry (trainer/cli.py, __main__) sits above
+                    both sides and may import either
+    across arrows   a module of trainer/launch/ importing one of trainer/worker/: the launcher's
+                    process reads what both sides share (contract, config, runfolder), never the worker's code
     long lines      lines over 120 characters in trainer/ (with bench/) and tests/
     fixed sleeps    time.sleep calls in tests outside a loop (a poll has a loop; a fixed wait is a
                     guess at how long something takes, which a loaded machine makes wrong), but
@@ -27,8 +30,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "trainer"
 LONG = 40
-LAUNCHER = "launch"
-"""The subpackage of what runs in the launcher's process (the CLI, torchrun's supervisor, Slurm, TorchX)."""
+LAUNCHER, WORKER = "launch", "worker"
+"""The subpackages of what runs in the launcher's process (torchrun's supervisor, Slurm, TorchX) and in each worker."""
+ENTRY = ("cli", "__main__", "bench")
+"""The command line above both sides (and the benchmarks, outside the package)."""
 SUBPACKAGES = ("launch", "worker")
 
 
@@ -140,7 +145,8 @@ def card() -> dict:
                  if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
     graph = {module_name(p): {m for m in imports(p) if m != module_name(p)} for p in modules(include_bench=True)}
     upward = sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps
-                    if m.split(".")[0] not in (LAUNCHER, "__main__", "bench") and d.split(".")[0] == LAUNCHER)
+                    if m.split(".")[0] not in (LAUNCHER, *ENTRY) and d.split(".")[0] == LAUNCHER)
+    across = sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps if m.split(".")[0] == LAUNCHER and d.split(".")[0] == WORKER)
     long_lines = {str(p.relative_to(ROOT)): n for p in [*modules(include_bench=True), *sorted((ROOT / "tests").glob("*.py"))]
                   if (n := sum(len(line) > 120 for line in p.read_text().splitlines()))}
     sleeps = {p.name: lines for p in sorted((ROOT / "tests").glob("*.py")) if (lines := fixed_sleeps(p))}
@@ -150,6 +156,7 @@ def card() -> dict:
         "long_functions": sorted(f"{name} ({n} lines)" for name, n in functions if n > LONG),
         "import_cycles": cycles(graph),
         "upward_arrows": upward,
+        "across_arrows": across,
         "long_lines": sum(n for f, n in long_lines.items() if not f.startswith("tests/")),  # trainer/ and bench/
         "long_lines_tests": sum(n for f, n in long_lines.items() if f.startswith("tests/")),
         "long_lines_by_file": long_lines,
@@ -168,6 +175,7 @@ def main() -> None:
     print(f"functions over {LONG} lines      {len(c['long_functions'])}" + "".join(f"\n    {f}" for f in c["long_functions"]))
     print(f"import cycles                {len(c['import_cycles'])}" + "".join(f"\n    {' <-> '.join(g)}" for g in c["import_cycles"]))
     print(f"upward arrows                {len(c['upward_arrows'])}" + "".join(f"\n    {a}" for a in c["upward_arrows"]))
+    print(f"launch -> worker arrows      {len(c['across_arrows'])}" + "".join(f"\n    {a}" for a in c["across_arrows"]))
     print(f"lines over 120 characters    {c['long_lines']} in trainer/ and bench/, {c['long_lines_tests']} in tests/")
     print(f"fixed sleeps in tests        {c['fixed_sleeps']}" + "".join(f"\n    {f}: lines {', '.join(map(str, v))}"
                                                                      for f, v in c["fixed_sleeps_by_file"].items()))

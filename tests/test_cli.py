@@ -10,7 +10,7 @@ from conftest import ROOT, env
 
 PROBE = """
 import sys
-from trainer.launch.cli import main
+from trainer.cli import main
 try:
     main(sys.argv[1:], prog_name="trainer")
 except SystemExit as e:

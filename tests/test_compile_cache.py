@@ -89,7 +89,7 @@ def test_importing_the_trainer_leaves_the_nodes_inductor_folder_alone(tmp_path):
     # importing torch._dynamo creates TORCHINDUCTOR_CACHE_DIR: before compile_cache.use has pointed
     # it at the volume, that folder is the node's own
     local = tmp_path / "node" / "inductor"
-    p = run([sys.executable, "-c", "import trainer.launch.cli, trainer.worker.loop, trainer.worker.parallel, trainer.worker.run, trainer.worker.optim"],
+    p = run([sys.executable, "-c", "import trainer.cli, trainer.worker.loop, trainer.worker.parallel, trainer.worker.run, trainer.worker.optim"],
             env=env(TORCHINDUCTOR_CACHE_DIR=str(local)), timeout=120)
     assert p.returncode == 0 and not local.exists(), p.stdout[-2000:]
 

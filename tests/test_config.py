@@ -6,9 +6,9 @@ import pytest
 import yaml
 from conftest import ROOT, run, trainer_cmd, tree_files
 
+from trainer.cli import strip_local_rank
 from trainer.config import Config, ConfigError
 from trainer.config_loader import explain, from_dict, load_config, to_dict, to_yaml, valid_keys
-from trainer.launch.cli import strip_local_rank
 
 
 def test_default_yaml_mirrors_the_code_defaults():

@@ -102,7 +102,7 @@ def test_bad_sources_and_a_missing_extra_are_one_line_each(small_run, tmp_path):
     p = run(trainer_cmd("export", str(tmp_path / "empty"), "--format", "pt2"), check=False)
     assert p.returncode == 2 and "is not a checkpoint and holds none" in p.stderr, p.stderr
     # onnxruntime absent: an import of it fails, as where the extra was not installed
-    code = "import sys; sys.modules['onnxruntime'] = None; sys.argv = ['trainer'] + sys.argv[1:]; from trainer.launch.cli import entry; entry()"
+    code = "import sys; sys.modules['onnxruntime'] = None; sys.argv = ['trainer'] + sys.argv[1:]; from trainer.cli import entry; entry()"
     p = run([sys.executable, "-c", code, "export", str(run_folder), "--format", "onnx", "--out", str(tmp_path / "x.onnx")], check=False)
     assert p.returncode == 2 and p.stderr.strip().splitlines() == [
         "error: --format onnx needs the onnxruntime package, which is not installed; pip install 'cluster-trainer[export]'"], p.stderr
@@ -128,7 +128,7 @@ def test_an_exporter_that_cannot_take_the_model_is_one_line_and_a_traceback_file
     code = ("import sys, torch\n"
             "def fail(*a, **k):\n    raise RuntimeError('no translation for aten::made_up')\n"
             "torch.onnx.export = fail\n"
-            "sys.argv = ['trainer'] + sys.argv[1:]\nfrom trainer.launch.cli import entry\nentry()\n")
+            "sys.argv = ['trainer'] + sys.argv[1:]\nfrom trainer.cli import entry\nentry()\n")
     p = run([sys.executable, "-c", code, "export", str(run_folder), "--format", "onnx", "--out", str(tmp_path / "m.onnx")], check=False)
     lines = p.stderr.strip().splitlines()
     assert p.returncode == 1 and len(lines) == 1 and "the onnx export of" in lines[0] and "aten::made_up" in lines[0], p.stderr

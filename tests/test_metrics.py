@@ -42,7 +42,7 @@ def test_tensorboard_curves_continue_across_a_resume_without_doubles(ckpt):
 
 def test_without_the_tensorboard_package_training_is_silent_about_it(ckpt):
     code = ("import sys; sys.modules['torch.utils.tensorboard'] = None\n"
-            "from trainer.launch.cli import entry; sys.argv = ['trainer', *sys.argv[1:]]; entry()")
+            "from trainer.cli import entry; sys.argv = ['trainer', *sys.argv[1:]]; entry()")
     p = run([sys.executable, "-c", code, "train", *TINY, f"checkpoint.dir={ckpt}", "train.epochs=1"])
     said = (p.stdout + p.stderr).replace(str(ckpt), "CKPT").lower()
     assert "tensorboard" not in said and not (ckpt / "tensorboard").exists()

@@ -4,6 +4,6 @@ from trainer.contract import stamp_command_start  # the standard library only: t
 
 stamp_command_start()
 
-from trainer.launch.cli import entry  # noqa: E402
+from trainer.cli import entry  # noqa: E402
 
 entry()

@@ -77,13 +77,17 @@ class View:
             raise Unreadable(type(state).__name__)
         return state
 
-    def read(self) -> Round | None:
+    def read(self, since: datetime | None = None) -> Round | None:
+        """The rendezvous now. ``since``: when this node began to wait; a node counts as present only
+        with a keep-alive since then (a lost node stays in the last round, its keep-alive fresh for
+        up to STALE_HEARTBEAT_S, until a sync drops it; a live one renews its keep-alive every 5 s)."""
         state = self.state()
         if state is None:
             return None
         now = datetime.now(timezone.utc)
         beats, known = state.last_heartbeats, _round_nodes(state)
-        fresh = [n for n in known if n not in beats or (now - _utc(beats[n])).total_seconds() < STALE_HEARTBEAT_S]
+        fresh = [n for n in known if n not in beats or ((now - _utc(beats[n])).total_seconds() < STALE_HEARTBEAT_S
+                                                        and (since is None or _utc(beats[n]) >= since))]
         return Round(id=state.round, complete=state.complete, members=sorted({_host(n) for n in state.participants}),
                      nodes={_host(n) for n in known}, present=sorted({_host(n) for n in fresh}))
 

@@ -23,6 +23,7 @@ import os
 import socket
 import threading
 import time
+from datetime import datetime, timedelta, timezone
 
 from trainer import contract
 from trainer.config import node_range
@@ -79,13 +80,13 @@ class Reporter:
             self._thread.join(timeout=10.0)
 
     # ---------------------------------------------------------------------------------------------
-    def read(self) -> Round | None:
+    def read(self, since: datetime | None = None) -> Round | None:
         """The rendezvous as it is now, or None while it has no state (or this torch keeps it in a form
         not read: then once a line, and the reporter stops)."""
         if self._unreadable:
             return None
         try:
-            return self.view.read()
+            return self.view.read(since)
         except Unreadable as e:
             import torch
 
@@ -122,7 +123,7 @@ class Reporter:
                 pass  # the supervisor's own watch acts on that; a bug here still shows its traceback
 
     def waiting_line(self, waited_s: float) -> str:
-        r = self.read() or Round()
+        r = self.read(since=datetime.now(timezone.utc) - timedelta(seconds=waited_s)) or Round()
         self.left = [m for m in self.members if m not in r.present]
         more = max(self.min_nodes - len(r.present), 0)
         need = f"{more} more node(s) ({self.min_nodes} needed)" if more else f"the round to close ({self.min_nodes}-{self.max_nodes} nodes)"

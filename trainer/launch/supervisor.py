@@ -49,11 +49,13 @@ import time
 from pathlib import Path
 
 from trainer import contract
+from trainer.config import Config
 from trainer.contract import EXIT_CRASH, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE, say
 from trainer.launch import slurm
 from trainer.launch.console import Relay
 from trainer.launch.procs import GONE, has_children, state
-from trainer.launch.torchrun_args import endpoint, option, rdzv_conf, training_config, with_rdzv_defaults
+from trainer.launch.torchrun_args import endpoint, option, rdzv_conf, with_rdzv_defaults, worker_config
+from trainer.runfolder import last_step, newest_complete
 
 EXIT_POLICY_ENV = "TRAINER_EXIT_POLICY"
 """``exitcode``: the codes for a launcher that retries 128-255 only (see the module docstring)."""
@@ -165,8 +167,6 @@ def kill_hung_workers(folder: Path, margin_s: float = HEARTBEAT_MARGIN_S) -> lis
         now = state(info["pid"])
         if now in (None, *GONE):
             continue  # gone already, or exited and not yet reaped by torchrun (its attempt is ending)
-        from trainer.worker.watchdog import last_step
-
         step = last_step(folder, info["rank"])  # exact: the heartbeat file's is up to a second old
         step = info["step"] if step is None else step
         line = (f"trainer torchrun: rank {info['rank']} (pid {info['pid']}, {now}) has made no progress for {age:.0f} s "
@@ -249,8 +249,6 @@ def exit_policy_problem() -> str | None:
 def crash_budget(root: Path, host: str, limit: int) -> tuple[int, str | None]:
     """Note one more crash of ``host``; (crashes in a row without a newer checkpoint, the newest
     checkpoint's name). A newer checkpoint than at the last crash starts the count again."""
-    from trainer.worker.checkpoint.folder import newest_complete
-
     newest = newest_complete(root) if root.is_dir() else None
     step = newest.name if newest else None
     record = root / CRASHES_FOLDER / f"{host}.json"
@@ -267,16 +265,15 @@ def crash_budget(root: Path, host: str, limit: int) -> tuple[int, str | None]:
     return crashes, step
 
 
-def for_launcher(code: int, torchrun_args: list[str], policy: str) -> int:
+def for_launcher(code: int, run_dir: Path | None, policy: str) -> int:
     """The contract's code as the launcher's policy needs it (see the module docstring)."""
     if policy != "exitcode" or code in (EXIT_OK, EXIT_USAGE) or code >= RETRYABLE:
         return code
     if code != EXIT_PREEMPTED:
-        cfg = training_config(torchrun_args)
         limit = int(os.environ.get("TRAINER_CRASHES_WITHOUT_PROGRESS", CRASHES_WITHOUT_PROGRESS))
         host = os.environ.get("HOSTNAME") or socket.gethostname()  # a pod's name (the kubelet sets HOSTNAME)
-        if cfg is not None:
-            crashes, step = crash_budget(Path(cfg.checkpoint.dir), host, limit)
+        if run_dir is not None:
+            crashes, step = crash_budget(run_dir, host, limit)
             if crashes >= limit:
                 since = f"since {step} was saved" if step else "before any checkpoint"
                 say(f"{host}: {crashes} crashes in a row {since}, no progress: exit {EXIT_CRASH}, a final failure of the job; "
@@ -290,7 +287,7 @@ BYTECODE = "compile-cache/python-bytecode"
 CUDA_JIT = "compile-cache/cuda-jit"
 
 
-def node_cache_env(torchrun_args: list[str], probe: str = "torch") -> dict[str, str]:
+def node_cache_env(cfg: Config | None, probe: str = "torch") -> dict[str, str]:
     """Caches that live on a node, kept on the volume beside the compile caches
     (model.compile_cache) so that a restart on a fresh node finds them; a variable the caller set
     is left alone.
@@ -305,7 +302,6 @@ def node_cache_env(torchrun_args: list[str], probe: str = "torch") -> dict[str, 
       Python sources again, 8 s of a warm worker on an H200 node, 2 s of torchrun's."""
     import importlib.util
 
-    cfg = training_config(torchrun_args)
     if cfg is None or not cfg.model.compile_cache:
         return {}
     root = Path(cfg.checkpoint.dir).resolve()
@@ -367,14 +363,13 @@ def processes_per_node(argv: list[str]) -> int:
     return gpus if value == "gpu" or (value == "auto" and gpus) else os.cpu_count() or 1
 
 
-def world_range_problem(argv: list[str]) -> str | None:
+def world_range_problem(argv: list[str], cfg: Config | None) -> str | None:
     """The one-line error for a node range (--nnodes MIN:MAX) some of whose sizes do not split the
     global batch: found here, before any node starts, not when a node joins mid-run."""
     from trainer.config import ConfigError, check_world_range
 
     nnodes = option(argv, "nnodes", "1")
-    cfg = training_config(argv) if ":" in nnodes else None
-    if cfg is None:
+    if cfg is None or ":" not in nnodes:
         return None
     try:
         check_world_range(cfg, nnodes, processes_per_node(argv))
@@ -394,79 +389,98 @@ def _error_file(message: str) -> None:
             pass
 
 
-def resumes_from(torchrun_args: list[str]) -> str:
+def resumes_from(run_dir: Path | None) -> str:
     """' from step-N', the newest complete checkpoint of the run folder, or ''."""
-    from trainer.worker.checkpoint.folder import newest_complete
-
-    cfg = training_config(torchrun_args)
-    found = newest_complete(Path(cfg.checkpoint.dir)) if cfg is not None and Path(cfg.checkpoint.dir).is_dir() else None
+    found = newest_complete(run_dir) if run_dir is not None else None
     return f" from {found.name}" if found else ""
 
 
-def native_log(torchrun_args: list[str]) -> Path:
+def native_log(run_dir: Path | None) -> Path:
     """Where torch's native stderr lines go: the run folder's native-stderr.txt (else a temporary
     file, for a module other than the trainer's)."""
-    cfg = training_config(torchrun_args)
-    if cfg is None:
+    if run_dir is None:
         return Path(tempfile.gettempdir()) / f"trainer-native-stderr-{os.getpid()}.txt"
-    return Path(cfg.checkpoint.dir) / "native-stderr.txt"
+    return run_dir / "native-stderr.txt"
+
+
+def torchrun_env(exit_dir: Path, torchrun_args: list[str], cfg: Config | None) -> dict[str, str]:
+    """torchrun's environment: the exit folder, the run folder, the node range and the node caches
+    beside the user's."""
+    # torchrun's restarts would reuse the c10d rendezvous store, whose stale keys from the failed
+    # attempt make the new group connect to dead ranks (pytorch issue 167288): a fresh store each time
+    env = {SHARED_STORE_ENV: "1", **os.environ, contract.EXIT_DIR_ENV: str(exit_dir), contract.NNODES_ENV: option(torchrun_args, "nnodes", "1"),
+           **({contract.RUN_DIR_ENV: cfg.checkpoint.dir} if cfg is not None else {}), **node_cache_env(cfg)}
+    if "PYTHONPYCACHEPREFIX" in env:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)  # written under the prefix, on the volume, only
+    return env
+
+
+def conclude(code: int, exit_dir: Path, stopped_for_usage: bool, stop: str, limit: slurm.TimeLimit | None, run_dir: Path | None) -> int:
+    """The launcher's exit code once torchrun has ended, and what is said of it. ``stop``: the signal
+    (or the time limit) that stopped it, '' if none."""
+    codes = recorded(exit_dir)
+    final = verdict(code, codes, signalled=bool(stop))
+    if final == EXIT_USAGE and not stopped_for_usage:
+        _say_usage_error(exit_dir)
+    if final == EXIT_USAGE:
+        _error_file(_usage_message(exit_dir) or "bad input (exit 2)")
+    if slurm.supervising():
+        slurm.after(final, limit)
+    code = for_launcher(final, run_dir, exit_policy())
+    if stop and final == EXIT_PREEMPTED:
+        done = "; the workers saved a checkpoint" if codes else " before any worker started: nothing to save"
+        say(f"stopped by {stop}{done}; exit {code} (run the same command to resume{resumes_from(run_dir)})")
+    return code
+
+
+class Forward:
+    """Passes a stop signal on to torchrun once (torchrun forwards it to every worker; a repeat would
+    only disturb its shutdown); a second Ctrl-C kills it at once."""
+
+    def __init__(self, proc: subprocess.Popen, exit_dir: Path):
+        self.proc, self.exit_dir = proc, exit_dir
+        self.signals: list[int] = []
+
+    def on_signal(self, signum, frame) -> None:
+        self.signals.append(signum)
+        if self.proc.poll() is not None:
+            return
+        if signum == signal.SIGINT and self.signals.count(signal.SIGINT) > 1:
+            say("second Ctrl-C: stopping at once (the save in progress is lost; earlier checkpoints stay)")
+            self.proc.kill()  # the workers follow (PR_SET_PDEATHSIG)
+        elif len(self.signals) == 1:
+            (self.exit_dir / contract.SIGNALLED).touch()
+            say(f"{signal.Signals(signum).name} received: the workers stop after their current step and save a checkpoint "
+                "(Ctrl-C again stops at once)")
+            self.proc.send_signal(FORWARDED[signum])
 
 
 def supervise(torchrun_args: list[str], poll_s: float = 0.5) -> int:
     """Run ``torchrun ARGS`` and return the contract's exit code (see the module docstring)."""
     if warning := slurm.cpu_shortfall():
         say(warning)
-    if (error := missing_mount() or slurm.margin_problem() or exit_policy_problem() or world_range_problem(torchrun_args)) is not None:
+    cfg = worker_config(torchrun_args)  # the one parse of the workers' config in this process
+    run_dir = Path(cfg.checkpoint.dir) if cfg is not None else None
+    if (error := missing_mount() or slurm.margin_problem() or exit_policy_problem() or world_range_problem(torchrun_args, cfg)) is not None:
         say(error)
         _error_file(error)
         if slurm.supervising():
             slurm.after(EXIT_USAGE, None)
         return EXIT_USAGE
     exit_dir = Path(tempfile.mkdtemp(prefix="trainer-exit-"))
-    # torchrun's restarts would reuse the c10d rendezvous store, whose stale keys from the failed
-    # attempt make the new group connect to dead ranks (pytorch issue 167288): a fresh store each time
-    env = {SHARED_STORE_ENV: "1", **os.environ, contract.EXIT_DIR_ENV: str(exit_dir), contract.NNODES_ENV: option(torchrun_args, "nnodes", "1"),
-           **node_cache_env(torchrun_args)}
-    if "PYTHONPYCACHEPREFIX" in env:
-        env.pop("PYTHONDONTWRITEBYTECODE", None)  # written under the prefix, on the volume, only
+    env = torchrun_env(exit_dir, torchrun_args, cfg)
     torchrun_args = with_rdzv_defaults(torchrun_args)
     cmd = [sys.executable, "-m", "trainer.launch.torchrun", *torchrun_args]  # torchrun itself, with our rendezvous reporter
-    got: list[int] = []
-
-    def on_signal(signum, frame):
-        got.append(signum)
-        if proc.poll() is not None:
-            return
-        if signum == signal.SIGINT and got.count(signal.SIGINT) > 1:
-            say("second Ctrl-C: stopping at once (the save in progress is lost; earlier checkpoints stay)")
-            proc.kill()  # the workers follow (PR_SET_PDEATHSIG)
-        elif len(got) == 1:  # torchrun forwards it to every worker; a repeat would only disturb its shutdown
-            (exit_dir / contract.SIGNALLED).touch()
-            say(f"{signal.Signals(signum).name} received: the workers stop after their current step and save a checkpoint "
-                "(Ctrl-C again stops at once)")
-            proc.send_signal(FORWARDED[signum])
-
     limit = slurm.TimeLimit() if slurm.supervising() else None
     proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=contract.die_with_parent, stderr=subprocess.PIPE)
-    relay = Relay(proc.stderr, native_log(torchrun_args)).start()  # torch's native lines to the run folder, not the console
-    previous = {s: signal.signal(s, on_signal) for s in FORWARDED}
+    relay = Relay(proc.stderr, native_log(run_dir)).start()  # torch's native lines to the run folder, not the console
+    got = Forward(proc, exit_dir)
+    previous = {s: signal.signal(s, got.on_signal) for s in FORWARDED}
     try:
         code, stopped_for_usage = _watch(proc, exit_dir, LostRendezvous(torchrun_args, proc.pid), limit, poll_s)
         relay.join()  # the workers' last lines before ours
-        codes = recorded(exit_dir)
-        final = verdict(code, codes, signalled=bool(got) or (limit is not None and limit.reached))
-        if final == EXIT_USAGE and not stopped_for_usage:
-            _say_usage_error(exit_dir)
-        if final == EXIT_USAGE:
-            _error_file(_usage_message(exit_dir) or "bad input (exit 2)")
-        if slurm.supervising():
-            slurm.after(final, limit)
-        code = for_launcher(final, torchrun_args, exit_policy())
-        if (got or (limit is not None and limit.reached)) and final == EXIT_PREEMPTED:
-            what = signal.Signals(got[0]).name if got else "the job's time limit"
-            done = "; the workers saved a checkpoint" if codes else " before any worker started: nothing to save"
-            say(f"stopped by {what}{done}; exit {code} (run the same command to resume{resumes_from(torchrun_args)})")
-        return code
+        stop = signal.Signals(got.signals[0]).name if got.signals else "the job's time limit" if limit is not None and limit.reached else ""
+        return conclude(code, exit_dir, stopped_for_usage, stop, limit, run_dir)
     finally:
         for s, h in previous.items():
             signal.signal(s, h)

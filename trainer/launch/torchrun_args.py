@@ -8,10 +8,11 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any
 
-from trainer.config_loader import load_config
-from trainer.contract import EXIT_CRASH, EXIT_DIR_ENV
+from trainer.config import Config
+from trainer.config_loader import command_config
+from trainer.contract import EXIT_CRASH, EXIT_DIR_ENV, RUN_DIR_ENV
+from trainer.runfolder import newest_complete
 
 ELASTIC_LAST_CALL_S = 5
 """An elastic group re-forms this long after its MIN nodes are back (torchrun's default: 30 s)."""
@@ -22,18 +23,12 @@ rank 0's host took 24-25 s to the next step on an idle test bed (31 s under CI's
 ELASTIC_KEEP_ALIVE_S = 3
 """Seconds between an elastic job's rendezvous keep-alives (torchrun's default: 5 s)."""
 
-def training_config(torchrun_args: list[str]) -> Any:
-    """The config of ``-m trainer train ...`` in torchrun's arguments, or None (another module, or
-    bad input that the workers will report in their own words)."""
-    try:
-        i = next(i for i in range(len(torchrun_args) - 2) if torchrun_args[i:i + 3] == ["-m", "trainer", "train"])
-        rest = torchrun_args[i + 3:]
-        config_file = next((rest[j + 1] for j, a in enumerate(rest[:-1]) if a in ("--config", "-c")), None)
-        config_file = next((a.split("=", 1)[1] for a in rest if a.startswith("--config=")), config_file)
-        overrides = [a for j, a in enumerate(rest) if "=" in a and not a.startswith("-") and (j == 0 or rest[j - 1] not in ("--config", "-c"))]
-        return load_config(config_file, overrides)
-    except Exception:  # noqa: BLE001
-        return None
+def worker_config(torchrun_args: list[str]) -> Config | None:
+    """The config of ``-m trainer train ...`` in torchrun's arguments, parsed once by the
+    supervisor with the CLI's own grammar; None for another module, or bad input that the workers
+    will report in their own words."""
+    i = next((i for i in range(len(torchrun_args) - 2) if torchrun_args[i:i + 3] == ["-m", "trainer", "train"]), None)
+    return None if i is None else command_config(torchrun_args[i + 3:])
 
 
 def option(argv: list[str], name: str, default: str = "") -> str:
@@ -93,7 +88,7 @@ def with_rdzv_defaults(argv: list[str]) -> list[str]:
     return [f"--rdzv-conf={','.join(f'{k}={v}' for k, v in conf.items())}", *out]
 
 
-def where_lost(argv: list[str]) -> str:
+def where_lost() -> str:
     """'at step N (the job resumes from step-M)' from what the workers said when they failed and
     the run folder, as far as they tell."""
     steps = []
@@ -103,10 +98,8 @@ def where_lost(argv: list[str]) -> str:
             steps += [int(m) for m in re.findall(r" (?:at|after) step (\d+)", p.read_text())]
         except OSError:
             continue
-    from trainer.worker.checkpoint.folder import newest_complete
-
-    cfg = training_config(argv)
-    found = newest_complete(Path(cfg.checkpoint.dir)) if cfg else None
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    found = newest_complete(Path(run_dir)) if run_dir else None
     at = f"at step {max(steps)}" if steps else "during training"
     return f"{at} (the job resumes from {found.name})" if found else at
 
@@ -120,7 +113,7 @@ def rendezvous_failure(argv: list[str], error: BaseException, left: list[str] | 
     nodes, job = option(argv, "nnodes", "1"), option(argv, "rdzv-id", "none")
     conf = rdzv_conf(argv)
     if isinstance(error, RendezvousTimeoutError) and left:
-        return (f"torchrun: {', '.join(left)}, lost {where_lost(argv)}, did not come back to the rendezvous at {at} "
+        return (f"torchrun: {', '.join(left)}, lost {where_lost()}, did not come back to the rendezvous at {at} "
                 f"(id {job}) within {conf.get('join_timeout', '600')} s: start the same command there again, or run elastic "
                 f"(--nnodes MIN:{nodes.split(':')[-1]}) so that the nodes left go on; exit {EXIT_CRASH} so that the scheduler retries "
                 "from the newest checkpoint")

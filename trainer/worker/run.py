@@ -156,8 +156,7 @@ def build(cfg: Config, rt: Runtime, started_at: float | None = None) -> Run:
         steps_per_epoch=steps_per_epoch, total_steps=total, stop=StopFlag(rt), checkpointer=ckpt,
         metrics=RunLog(ckpt.root, rt, cfg.train.tensorboard, state.step if resumed_from else None), say=say,
         resumed_from=resumed_from, started_at=clock.started_at, compile_cache=cache, compile_key=cache_key, weights=weights.describe() if weights else "",
-        startup=clock, watchdog=Watchdog(cfg.dist.hang_timeout_s, ckpt.root, rt.rank, cfg.dist.timeout_s,
-                                         rt.world_size if rt.collectives else 1, rt.group),
+        startup=clock, watchdog=Watchdog.of(cfg, rt, ckpt.root),
     )
 
 

@@ -51,6 +51,7 @@ from pathlib import Path
 
 from trainer.contract import EXIT_DIR_ENV, EXIT_HUNG, record_exit, say
 from trainer.files import replacing
+from trainer.runfolder import heartbeat_file, step_file
 
 GROWTH = 10
 """The bound is at least this many times the longest ordinary pause between two beats."""
@@ -92,13 +93,18 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         folder = os.environ.get(EXIT_DIR_ENV)
-        self._heartbeat = Path(folder) / f"hb-{rank}" if folder else None
+        self._heartbeat = heartbeat_file(Path(folder), rank) if folder else None
         self._step_file = step_file(Path(folder), rank) if folder else None
         self._step_map = None
         """This rank's last finished step, 8 bytes of a shared mapping written at every step (a memory
         store, no system call): what the supervisor reports of a stopped worker, exactly, where the
         heartbeat file is rewritten once a second."""
         self.peers = Peers(rank, world_size, group) if world_size > 1 else None
+
+    @classmethod
+    def of(cls, cfg, rt, root: Path) -> Watchdog:
+        """The watchdog of a run of ``cfg`` on runtime ``rt`` (its peers: the other ranks of its group)."""
+        return cls(cfg.dist.hang_timeout_s, root, rt.rank, cfg.dist.timeout_s, rt.world_size if rt.collectives else 1, rt.group)
 
     @property
     def enabled(self) -> bool:
@@ -251,18 +257,6 @@ def flight_record(root: Path, rank: int, dump: bool = False) -> str:
         return f"; NCCL flight record in {path}" if path.stat().st_mtime >= _STARTED else ""
     except OSError:
         return ""
-
-
-def step_file(folder: Path, rank: int) -> Path:
-    return folder / f"step-{rank}"
-
-
-def last_step(folder: Path, rank: int) -> int | None:
-    """The last step a worker of ``rank`` finished, from its shared mapping (None if it has none)."""
-    try:
-        return int.from_bytes(step_file(folder, rank).read_bytes()[:8], "little", signed=True)
-    except (OSError, ValueError):
-        return None
 
 
 class Peers:

@@ -1,5 +1,6 @@
 """The run folder's ``step-N`` checkpoints as files: which are complete, whether one is intact,
-how a written one is committed, which are kept. No torch: the launcher reads these too.
+how a written one is committed, which are kept. No torch. What the launcher reads too (the complete
+ones, the newest) is in trainer/runfolder.py.
 
 A checkpoint is a folder. Its files are written into a hidden ``.tmp-step-N`` folder; then
 ``meta.json`` (the step, the model, the classes, the config, what is not a tensor, and each
@@ -22,13 +23,12 @@ from pathlib import Path
 
 from trainer.config import ConfigError
 from trainer.files import sha256, sha256_parts
+from trainer.runfolder import LOCK, META, STEP_DIR, complete, newest_complete  # noqa: F401 - the run folder's, here too
 from trainer.worker.faults import crash_point
 
-META, STATE = "meta.json", "state.pt"
-"""``STATE``: the single file of checkpoints written before DCP (format 1); they still load."""
-STEP_DIR = re.compile(r"^step-(\d+)$")
+STATE = "state.pt"
+"""The single file of checkpoints written before DCP (format 1); they still load."""
 SET_ASIDE = re.compile(r"^step-\d+\.(corrupt\d*|replaced-\d+)$")
-LOCK = ".lock"
 PART_BYTES = 1 << 26
 """The slice of a file that one sha256 in ``meta.json`` covers: a resume hashes the parts in threads."""
 KEEP_SET_ASIDE = 2
@@ -38,21 +38,6 @@ ones are deleted with a warning, so a crash loop cannot fill the volume with the
 
 class CheckpointError(ConfigError):
     """A checkpoint that cannot be used (missing, not a checkpoint, damaged, or another model's)."""
-
-
-def complete(root: Path) -> list[tuple[int, Path]]:
-    """Checkpoints with a completion marker, oldest first (not yet verified)."""
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and (p / META).is_file()]
-    return sorted(found)
-
-
-def newest_complete(root: Path) -> Path | None:
-    """The newest checkpoint with a completion marker, unverified: what ``resume=auto`` will try
-    first (launchers check its model before starting workers)."""
-    found = complete(root)
-    return found[-1][1] if found else None
 
 
 def given(path: Path) -> Path:

@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 
 from trainer.files import flock
-from trainer.worker.checkpoint.folder import LOCK, CheckpointError
+from trainer.runfolder import LOCK
+from trainer.worker.checkpoint.folder import CheckpointError
 
 
 def _holder_text(info: dict) -> str:

@@ -24,14 +24,13 @@ import time
 import click
 
 from trainer.config import ConfigError, check_batch, check_devices, check_world_range
-from trainer.config_loader import explain, load_config, to_yaml
+from trainer.config_loader import config_arguments, explain, load_config, to_yaml
 from trainer.contract import (
     EXIT_CRASH,
     EXIT_USAGE,
     StoppedStarting,
     die_with_parent,
     record_exit,
-    record_start,
     stamp_command_start,
     stop_while_starting,
     stopped_while_starting,
@@ -77,9 +76,7 @@ def usage_errors(fn):
 
 
 def config_options(fn):
-    fn = click.argument("overrides", nargs=-1)(fn)
-    fn = click.option("--config", "-c", "config_file", metavar="FILE", help="YAML config (configs/*.yaml).")(fn)
-    return usage_errors(fn)
+    return usage_errors(config_arguments(fn))
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -102,45 +99,13 @@ def train(config_file, overrides):
         die_with_parent()
     stop_while_starting()  # a stop before the run's own handler: exit 75 at once (nothing to save yet)
     try:
-        code = _train(load_config(config_file, overrides), started)
+        cfg = load_config(config_file, overrides)  # bad input: one line, before torch's import
+        from trainer.worker.main import train as train_worker
+
+        code = train_worker(cfg, started)
     except StoppedStarting as e:
         code = stopped_while_starting(str(e))
     sys.exit(code)
-
-
-def _train(cfg, started: float) -> int:
-    from pathlib import Path
-
-    from trainer.worker import crash
-    from trainer.worker.loop import Trainer
-    from trainer.worker.run import build
-    from trainer.worker.runtime import gather_hosts, setup, teardown
-
-    rt = setup(cfg)
-    record_start()  # a group killed before its workers record an exit is not taken for the one before it
-    run, hosts, line = None, [], ""
-    try:
-        hosts, rt = gather_hosts(rt)  # rank -> host and addresses, to name a peer that is lost later, or slow
-        run = build(cfg, rt, started)
-        run.hosts = hosts
-        try:
-            code = Trainer(run).fit()
-        finally:
-            run.watchdog.close()
-            run.checkpointer.close()
-            run.metrics.close()
-    except ConfigError:
-        raise
-    except Exception as e:  # noqa: BLE001 - a crash: one line here, the traceback in the run folder
-        line = crash.report(e, Path(cfg.checkpoint.dir), rt.rank, run.state.step if run else None, hosts, cfg.dist.timeout_s,
-                            run.watchdog.peers if run else None)
-        if rt.local_rank == 0 or not crash.LOST.search(str(e)):  # a lost peer: once per node
-            click.echo(line, err=True)
-        code = EXIT_CRASH
-    finally:
-        teardown()
-    record_exit(code, line)
-    return code
 
 
 @main.command("eval")
@@ -228,7 +193,7 @@ def check(nnodes, nproc_per_node, config_file, overrides):
     """Validate config and inputs without training (launchers run this before torchrun)."""
     cfg = load_config(config_file, overrides)  # usage errors before torch is imported
     check_world_range(cfg, nnodes, nproc_per_node)
-    from trainer.launch.check import preflight
+    from trainer.worker.preflight import preflight
 
     preflight(cfg)
     click.echo("ok")
@@ -308,7 +273,7 @@ def launch(nproc_per_node, max_restarts, config_file, overrides):
     if picked:
         cfg = say_the_pick(cfg, config_file, overrides, nproc, why)
     check_batch(cfg, nproc)
-    from trainer.launch.check import resume_from
+    from trainer.worker.preflight import resume_from
 
     resume_from(cfg)  # a resume path that is wrong: its line now, before a download or a decode
     prepare_data(cfg, config_file, overrides, nproc, picked)
