@@ -205,9 +205,9 @@ def loader_alone(shards: Path, root: Path, steps: int) -> list[dict]:
     import torch
 
     from trainer.config_loader import load_config
-    from trainer.worker.loader import Augment
+    from trainer.worker.data.loader import Augment
+    from trainer.worker.data.stream import Streamed, StreamLoader
     from trainer.worker.runtime import setup, teardown
-    from trainer.worker.stream import Streamed, StreamLoader
 
     def rate(batches, ahead: int) -> float:
         """Images/s after the ``ahead`` batches the workers read before the first was asked for."""
@@ -314,9 +314,9 @@ def readers(shards: Path, images: int = 20000) -> list[dict]:
     reads in a whole-set permutation (wids' IndexedTarSamples). Images per second."""
     import webdataset as wds
 
-    from trainer.worker.loader import epoch_order
-    from trainer.worker.shards import ShardSet
-    from trainer.worker.stream import decode_cpu, read
+    from trainer.worker.data.loader import epoch_order
+    from trainer.worker.data.shards import ShardSet
+    from trainer.worker.data.stream import decode_cpu, read
 
     urls = [str(shards / s["url"]) for s in json.loads((shards / "train.json").read_text())["shardlist"]]
     t0, n = time.perf_counter(), 0
@@ -349,7 +349,7 @@ def decode_parts(cifar: Path, n: int = 256, repeat: int = 10) -> list[dict]:
     import torchvision
     from torchvision.io import ImageReadMode, decode_jpeg
 
-    from trainer.worker.stream import boxes, crop_batch, crop_resize, step_uniforms
+    from trainer.worker.data.stream import boxes, crop_batch, crop_resize, step_uniforms
 
     with tempfile.TemporaryDirectory() as tmp:
         make_set(cifar, Path(tmp), n, test=10, photo=True)

@@ -161,7 +161,7 @@ def augment() -> None:
     """GPU time of augmenting a whole CIFAR-sized epoch at once (the device loader's work per
     epoch), and of one 512-image step, for both crop modes."""
     from trainer.config_loader import load_config
-    from trainer.worker.loader import Augment
+    from trainer.worker.data.loader import Augment
     from trainer.worker.runtime import Runtime
 
     rt = Runtime("single", 0, 0, 1, 1, torch.device("cuda"), None)

@@ -2,7 +2,7 @@
 
     code lines      trainer/ (the installed package; the benchmarks live in bench/): lines with code, not blank, comment or docstring
     statements      Python statements there
-    long functions  functions there of more than LONG lines
+    long functions  functions there of more than LONG lines, their docstrings left out
     import cycles   groups of trainer modules that import each other, at any depth (a function's
                     local import counts: it hides the arrow, it does not remove it)
     upward arrows   a module outside trainer/launch/ (the worker side, and what both sides share)
@@ -119,6 +119,15 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+def docstring_lines(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """The lines of a function's docstring: not counted in its length (a TorchX component's Args,
+    which `torchx run` shows as its help, are most of its lines)."""
+    first = fn.body[0] if fn.body else None
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+        return first.end_lineno - first.lineno + 1
+    return 0
+
+
 DURATION = "# duration:"
 """Marks a sleep that is the length of what a test does (a link cut for 8 s), not a wait for something."""
 
@@ -141,7 +150,7 @@ def fixed_sleeps(path: Path) -> list[int]:
 def card() -> dict:
     files = modules()
     trees = {p: ast.parse(p.read_text()) for p in files}
-    functions = [(f"{module_name(p)}.{n.name}", n.end_lineno - n.lineno + 1) for p, t in trees.items() for n in ast.walk(t)
+    functions = [(f"{module_name(p)}.{n.name}", n.end_lineno - n.lineno + 1 - docstring_lines(n)) for p, t in trees.items() for n in ast.walk(t)
                  if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
     graph = {module_name(p): {m for m in imports(p) if m != module_name(p)} for p in modules(include_bench=True)}
     upward = sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps

@@ -75,7 +75,7 @@ def test_the_data_suites_sets_sixteen_times_the_images_over_the_same_shards(tmp_
     from conftest import make_jpegs
 
     from bench.data import times16
-    from trainer.worker.shards import ShardSet, write
+    from trainer.worker.data.shards import ShardSet, write
 
     write(make_jpegs(tmp_path / "img", train=3, test=1), tmp_path / "sh")
     times16(tmp_path / "sh", tmp_path / "x16")
@@ -132,7 +132,7 @@ def test_the_memory_bench_takes_any_image_size_and_refuses_to_report_a_failed_ru
 
     from conftest import ROOT, make_jpegs, run
 
-    from trainer.worker.shards import write
+    from trainer.worker.data.shards import write
 
     write(make_jpegs(tmp_path / "img", train=30, test=3, size=72), tmp_path / "sh")
     p = run([sys.executable, "-m", "bench.data", "--memory", str(tmp_path / "sh")], cwd=ROOT, timeout=600)

@@ -202,7 +202,7 @@ def test_classes_that_differ_or_an_empty_class_folder_are_one_line(tmp_path):
 
 
 def test_the_path_is_decided_by_the_decoded_size_against_the_memory(tmp_path, monkeypatch):
-    from trainer.worker import shards
+    from trainer.worker.data import shards
 
     root = make_folder(tmp_path / "d", per_class=10, size=40)
     shards.write(root, tmp_path / "sh")

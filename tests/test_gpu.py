@@ -309,10 +309,10 @@ def test_streamed_shards_decode_on_the_gpu_like_the_cpu(tmp_path):
     from conftest import make_jpegs
 
     from trainer.config_loader import load_config
-    from trainer.worker.loader import Augment
+    from trainer.worker.data.loader import Augment
+    from trainer.worker.data.shards import write
+    from trainer.worker.data.stream import Streamed, StreamLoader
     from trainer.worker.runtime import setup, teardown
-    from trainer.worker.shards import write
-    from trainer.worker.stream import Streamed, StreamLoader
 
     make_jpegs(tmp_path / "img", train=30, test=10, size=48)
     write(tmp_path / "img", tmp_path / "sh")

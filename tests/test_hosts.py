@@ -147,6 +147,20 @@ def test_a_lost_node_comes_back_and_the_job_finishes_with_nothing_lost(bed, tmp_
     assert same(weights(newest(ckpt)), reference)
 
 
+def test_a_rank_slow_for_good_is_named_a_straggler_and_a_brief_slowdown_is_not(bed, tmp_path):
+    """Each rank on a host of its own. node1's rank waits 0.4 s before every batch (a host slower
+    for good); node0's rank once waits 1.5 s (a brief slowdown). The progress line names rank 1 on
+    node1, never rank 0."""
+    ckpt = tmp_path / "ckpt"
+    job = ["train.epochs=3", "checkpoint.every_steps=0"]  # 48 steps: 19 s of the slow host, past Stragglers.PERSIST_S
+    nodes = [node(bed, "node0", ckpt, "slow", *job, environ={"TRAINER_FAULT": "batch@6:sleep=1.5", "TRAINER_FAULT_RANK": "0"}),
+             node(bed, "node1", ckpt, "slow", *job, environ={"TRAINER_FAULT": "batch:slow=0.4", "TRAINER_FAULT_RANK": "1"})]
+    both_finish(nodes)
+    out = nodes[0].out
+    assert re.search(r"straggler: rank 1 \(node1\) [\d.]+x the others' median for \d+ s", out), out[-3000:]
+    assert "straggler: rank 0" not in out, out[-3000:]
+
+
 def test_a_lost_node_that_never_returns_is_named_and_the_wait_ends_in_a_crash_code(bed, tmp_path):
     """Not elastic: the survivor says whom it lost at once, what it waits for while it waits, and
     at the end of the wait (join_timeout, here 20 s) which node did not come back and the fix."""
@@ -544,7 +558,7 @@ def test_a_streamed_epoch_stays_exact_when_an_elastic_job_grows(bed, tmp_path):
     (per-sample ids of every rank and attempt)."""
     from conftest import make_jpegs, slow_steps
 
-    from trainer.worker.shards import write
+    from trainer.worker.data.shards import write
 
     write(make_jpegs(tmp_path / "img", train=12, test=3), tmp_path / "sh")  # 120 images: 10 steps of 12
     job = ["data.name=shards", f"data.dir={tmp_path / 'sh'}", "data.loader=stream", "data.image_size=32", "data.stream_workers=1",
@@ -562,7 +576,7 @@ def test_a_streamed_epoch_stays_exact_when_an_elastic_job_grows(bed, tmp_path):
         for line in f.read_text().splitlines():
             epoch, step, *ids = map(int, line.split())
             steps.setdefault((epoch, step), []).extend(ids)
-    from trainer.worker.loader import epoch_order
+    from trainer.worker.data.loader import epoch_order
 
     assert sorted(steps) == [(e, s) for e in range(3) for s in range(10)]
     for (epoch, step), ids in steps.items():  # the one-process order: global batch k, whatever the world size

@@ -790,7 +790,7 @@ def test_torchx_trains_from_shards_on_its_data_dir(tmp_path):
     """Your own images under TorchX: the shards on --data_dir, data.name=shards after --, streamed."""
     from conftest import make_jpegs
 
-    from trainer.worker.shards import write
+    from trainer.worker.data.shards import write
 
     write(make_jpegs(tmp_path / "myset", train=12, test=3, size=32), tmp_path / "shards")
     p = torchx("run", "--workspace", "", "-s", "local_cwd", "trainer/launch/components.py:train_ddp", "--j", "1x2", "--gpu", "0", "--config", "configs/smoke.yaml",
@@ -1352,7 +1352,7 @@ def test_make_takes_shards_or_an_image_folder_as_data(tmp_path):
     trains as data.name=shards, any other folder as an image folder."""
     from conftest import make_jpegs
 
-    from trainer.worker.shards import write
+    from trainer.worker.data.shards import write
 
     write(make_jpegs(tmp_path / "img", train=2, test=1), tmp_path / "sh")
     for data, name in ((tmp_path / "sh", "shards"), (tmp_path / "img", "imagefolder")):

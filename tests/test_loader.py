@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from trainer.config_loader import load_config
 from trainer.worker.data import synthetic
-from trainer.worker.loader import Augment, DeviceLoader, HostLoader, eval_batches, eval_shard, random_crop
+from trainer.worker.data.loader import Augment, DeviceLoader, HostLoader, eval_batches, eval_shard, random_crop
 from trainer.worker.runtime import Runtime
 
 CPU = torch.device("cpu")
@@ -188,7 +188,7 @@ def test_a_loader_worker_ignores_a_groups_sigterm_and_ends_at_its_parents_exit_a
     script.write_text(
         "import os, subprocess, sys, time\n"
         "from torch.utils.data import DataLoader, Dataset\n"
-        "from trainer.worker.loader import quiet_worker\n"
+        "from trainer.worker.data.loader import quiet_worker\n"
         "class D(Dataset):\n"
         "    def __len__(self): return 100\n"
         "    def __getitem__(self, i):\n"

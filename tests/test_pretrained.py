@@ -196,7 +196,7 @@ five times the widest spread of an arm (2.3 points, from random): 5 points leave
 
 def subset(root: Path, out: Path, classes: list[str], train: int, test: int) -> Path:
     """``out`` with train/ and test/ folders of the first ``train``/``test`` images of ``classes``."""
-    from trainer.worker.folders import find_source, members
+    from trainer.worker.data.folders import find_source, members
 
     for split, n in (("train", train), ("test", test)):
         counts: dict[str, int] = {}

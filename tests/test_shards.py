@@ -1,4 +1,4 @@
-"""trainer/worker/shards.py: an image folder written as WebDataset shards once, read back by index; bad
+"""trainer/worker/data/shards.py: an image folder written as WebDataset shards once, read back by index; bad
 input in one line each (real files, real tars, the real CLI)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from conftest import make_jpegs, run, trainer_cmd
 from PIL import Image
 
 from trainer.config import ConfigError
-from trainer.worker import shards
+from trainer.worker.data import shards
 
 
 def odd_images(root: Path) -> Path:

@@ -1,4 +1,4 @@
-"""trainer/worker/stream.py: the streamed path keeps the in-memory path's exactness. Global batch k holds
+"""trainer/worker/data/stream.py: the streamed path keeps the in-memory path's exactness. Global batch k holds
 the same images at any world size, a resume continues the order with no image skipped or seen
 twice (real torchrun, 2 processes then 3), and a damaged JPEG inside a shard is skipped, counted,
 and past data.max_bad_images stops the run with exit 2."""
@@ -15,9 +15,9 @@ from conftest import ROOT, env, make_jpegs, run, torchrun_cmd, trainer_cmd
 from test_shards import odd_images
 
 from trainer.config import ConfigError
-from trainer.worker.loader import crop_boxes, epoch_order
-from trainer.worker.shards import ShardSet, write
-from trainer.worker.stream import StepBatches
+from trainer.worker.data.loader import crop_boxes, epoch_order
+from trainer.worker.data.shards import ShardSet, write
+from trainer.worker.data.stream import StepBatches
 
 
 @pytest.fixture
@@ -70,9 +70,9 @@ def damage_one_jpeg(sh: Path) -> str:
 
 def test_a_damaged_jpeg_in_a_shard_is_skipped_counted_and_past_the_limit_stops(shard_dir, capsys):
     from trainer.config_loader import load_config
-    from trainer.worker.loader import Augment
+    from trainer.worker.data.loader import Augment
+    from trainer.worker.data.stream import Streamed, StreamLoader
     from trainer.worker.runtime import setup, teardown
-    from trainer.worker.stream import Streamed, StreamLoader
 
     name = damage_one_jpeg(shard_dir)
     base = ["data.name=shards", f"data.dir={shard_dir}", "data.image_size=24", "train.batch_size=120", "data.stream_workers=1",
@@ -110,7 +110,7 @@ def test_random_bytes_in_a_shards_place_stop_the_run_in_one_line_naming_it(shard
 
 
 def test_odd_images_stream_as_rgb(tmp_path):
-    from trainer.worker.stream import decode_crop_cpu, read
+    from trainer.worker.data.stream import decode_crop_cpu, read
 
     write(odd_images(tmp_path / "img"), tmp_path / "sh", max_side=128)
     raws, labels, where = read(ShardSet(tmp_path / "sh", "train"), range(36))
@@ -122,7 +122,7 @@ def test_the_gpu_paths_batch_crop_matches_the_cpu_workers_per_image_crops(tmp_pa
     """decode_on_gpu's logic, run on the CPU (the GPU suite runs it with nvjpeg): one buffer from
     the worker, one roi_align for the batch (in chunks, images of mixed sizes padded), a damaged
     JPEG replaced as the CPU workers replace it."""
-    from trainer.worker.stream import boxes, crop_batch, crop_resize, decode_cpu, decode_crop_cpu, decode_on_gpu, read, step_uniforms
+    from trainer.worker.data.stream import boxes, crop_batch, crop_resize, decode_cpu, decode_crop_cpu, decode_on_gpu, read, step_uniforms
 
     name = damage_one_jpeg(shard_dir)
     buf, labels, idx, u, where = StepBatches(ShardSet(shard_dir, "train"), 0, 1, 24, seed=3, size=24, flip=True, on_cpu=False)[(0, 0)]
@@ -150,9 +150,9 @@ def test_the_gpu_paths_decode_ahead_thread_keeps_order_stops_cleanly_and_raises_
     import threading
 
     from trainer.config_loader import load_config
-    from trainer.worker.loader import Augment
+    from trainer.worker.data.loader import Augment
+    from trainer.worker.data.stream import Streamed, StreamLoader
     from trainer.worker.runtime import setup, teardown
-    from trainer.worker.stream import Streamed, StreamLoader
 
     base = ["data.name=shards", f"data.dir={shard_dir}", "data.image_size=24", "train.batch_size=20", "data.stream_workers=2",
             "train.strategy=cpu", "checkpoint.dir=/tmp/unused"]

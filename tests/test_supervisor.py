@@ -62,7 +62,7 @@ def test_the_exitcode_policy_moves_75_and_crashes_into_the_retried_range_until_a
     0 and 2 stay, 75 and crashes move up by 128, a signal's code stays; the third crash in a row
     of one node with no newer checkpoint is final (1). A newer checkpoint starts the count again."""
     ckpt = tmp_path / "ckpt"
-    args = ["--nproc-per-node=1", "-m", "trainer", "train", "--config", str(ROOT / "configs" / "smoke.yaml"), f"checkpoint.dir={ckpt}"]
+    args = ckpt  # the run folder, as the supervisor parsed it from the workers' command
     monkeypatch.setenv("HOSTNAME", "job-worker-0")
     assert [supervisor.for_launcher(c, args, "") for c in (0, 2, 75, 1, 137)] == [0, 2, 75, 1, 137]  # no policy: the contract's own
     assert [supervisor.for_launcher(c, args, "exitcode") for c in (0, 2, 75, 137)] == [0, 2, 203, 137]
@@ -511,6 +511,7 @@ def test_workers_keep_node_caches_on_the_volume(tmp_path, monkeypatch):
     none (pip --no-compile, a site-packages the job cannot write, PYTHONDONTWRITEBYTECODE=1: every
     process compiles its sources at every start otherwise)."""
     from trainer.launch.supervisor import node_cache_env
+    from trainer.launch.torchrun_args import worker_config
 
     (tmp_path / "mod_without_bytecode.py").write_text("x = 1\n")  # never imported: no .pyc anywhere
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -519,10 +520,10 @@ def test_workers_keep_node_caches_on_the_volume(tmp_path, monkeypatch):
     args = ["--standalone", "--nproc-per-node=2", "-m", "trainer", "train", "--config", "configs/smoke.yaml", f"checkpoint.dir={tmp_path / 'ck'}"]
     prefix = (tmp_path / "ck" / "compile-cache" / "python-bytecode").resolve()
     jit = {"CUDA_CACHE_PATH": str((tmp_path / "ck" / "compile-cache" / "cuda-jit").resolve())}
-    assert node_cache_env(args, probe="mod_without_bytecode") == {**jit, "PYTHONPYCACHEPREFIX": str(prefix)}
-    assert node_cache_env(args) == jit  # this venv's torch carries its bytecode: left alone
-    assert node_cache_env([*args, "model.compile_cache=false"], probe="mod_without_bytecode") == {}
-    assert node_cache_env(["--standalone", "-m", "other.module"], probe="mod_without_bytecode") == {}
+    assert node_cache_env(worker_config(args), probe="mod_without_bytecode") == {**jit, "PYTHONPYCACHEPREFIX": str(prefix)}
+    assert node_cache_env(worker_config(args)) == jit  # this venv's torch carries its bytecode: left alone
+    assert node_cache_env(worker_config([*args, "model.compile_cache=false"]), probe="mod_without_bytecode") == {}
+    assert node_cache_env(worker_config(["--standalone", "-m", "other.module"]), probe="mod_without_bytecode") == {}
     # a worker started with it writes its bytecode there (and reads it back on the next start)
     child = {**os.environ, "PYTHONPATH": str(tmp_path), "PYTHONPYCACHEPREFIX": str(prefix)}
     child.pop("PYTHONDONTWRITEBYTECODE", None)
@@ -530,7 +531,7 @@ def test_workers_keep_node_caches_on_the_volume(tmp_path, monkeypatch):
     assert list(prefix.rglob("mod_without_bytecode*.pyc"))
     monkeypatch.setenv("PYTHONPYCACHEPREFIX", str(tmp_path / "mine"))  # the caller's own settings win
     monkeypatch.setenv("CUDA_CACHE_PATH", str(tmp_path / "nv"))
-    assert node_cache_env(args, probe="mod_without_bytecode") == {}
+    assert node_cache_env(worker_config(args), probe="mod_without_bytecode") == {}
 
 
 def test_an_elastic_range_that_does_not_split_the_batch_is_refused_before_torchrun(tmp_path):

@@ -215,7 +215,7 @@ def data(shards_out, max_side, config_file, overrides):
     if shards_out:
         if cfg.data.name != "imagefolder":
             raise ConfigError(f"--shards reads an image folder; add data.name=imagefolder data.dir=IMAGES (data.name is {cfg.data.name})")
-        from trainer.worker import shards
+        from trainer.worker.data import shards
 
         index = shards.write(Path(cfg.data.dir), Path(shards_out), max_side)
         click.echo(f"{index['train']['images']} train and {index['test']['images']} test images, {len(index['train']['classes'])} classes "

@@ -15,9 +15,9 @@ from trainer.worker.checkpoint import folder as files
 from trainer.worker.checkpoint import store
 from trainer.worker.checkpoint.parts import ModelPart
 from trainer.worker.data import Split
-from trainer.worker.loader import Augment, eval_batches
+from trainer.worker.data.loader import Augment, eval_batches
+from trainer.worker.data.stream import Streamed
 from trainer.worker.runtime import Runtime, all_reduce_sum, setup, teardown
-from trainer.worker.stream import Streamed
 
 
 @torch.no_grad()
@@ -47,7 +47,7 @@ def evaluate(model: torch.nn.Module, split: Split, cfg: Config, rt: Runtime, aug
     if isinstance(split, Split):
         batches = eval_batches(split, rt, cfg.data.eval_batch_size)
     else:  # streamed from the test shards
-        from trainer.worker.stream import eval_batches as streamed
+        from trainer.worker.data.stream import eval_batches as streamed
 
         batches = streamed(split, cfg, rt, cfg.data.eval_batch_size)
     for x, y in batches:
@@ -105,7 +105,7 @@ def evaluate_checkpoint(path: str, config_file: str | None, overrides, report_di
 
 def evaluate_with_report(model, test_split, cfg: Config, rt: Runtime, augment: Augment, bf16: bool):
     """(test loss, test accuracy, the per-class report: trainer/worker/report.py), every rank's share counted."""
-    from trainer.worker.loader import eval_shard
+    from trainer.worker.data.loader import eval_shard
     from trainer.worker.report import Collector, merge
 
     collector = Collector(len(test_split.classes), eval_shard(len(test_split), rt).start, rt.device)

@@ -57,3 +57,28 @@ def trace_samples(epoch: int, step: int, rank: int, idx) -> None:
     if folder:
         with open(os.path.join(folder, f"samples-rank{rank}.txt"), "a") as fh:
             fh.write(f"{epoch} {step} {' '.join(str(int(i)) for i in idx.tolist())}\n")
+
+
+class StepHooks:
+    """The tests' hooks on the training step (a fault before a batch is read, the trace of the
+    samples each step trains), built only where their variable is set: the step of a run without
+    them calls nothing."""
+
+    def __init__(self, rank: int, fault: bool, trace: str):
+        self.rank, self.fault, self.trace = rank, fault, trace
+
+    def before_read(self, step: int) -> None:
+        if self.fault:
+            crash_point("batch", step)
+
+    def after_read(self, epoch: int, epoch_step: int, idx) -> None:
+        if self.trace:
+            trace_samples(epoch, epoch_step, self.rank, idx)
+
+
+def step_hooks(rank: int) -> StepHooks | None:
+    """The step's test hooks: None unless TRAINER_FAULT names the ``batch`` point or TRAINER_SAMPLE_TRACE is set."""
+    fault = (_fault() or ("",))[0] == "batch"
+    trace = os.environ.get("TRAINER_SAMPLE_TRACE", "")
+    return StepHooks(rank, fault, trace) if fault or trace else None
+

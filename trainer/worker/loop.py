@@ -13,7 +13,7 @@ from trainer.config_loader import to_yaml
 from trainer.contract import EXIT_PREEMPTED, stopped_by_torchrun
 from trainer.worker import compile_cache, parallel
 from trainer.worker.evaluate import evaluate
-from trainer.worker.faults import crash_point, trace_samples
+from trainer.worker.faults import step_hooks
 from trainer.worker.metrics import StepProfiler, StepTimer, Stragglers, plot_curves, since_command
 from trainer.worker.run import Run
 from trainer.worker.runtime import all_reduce_sum, barrier
@@ -52,6 +52,7 @@ class Trainer:
         self.last_saved = self.state.step if run.resumed_from else -1
         self.first_step_s: float | None = None
         self.reserved = False
+        self.hooks = step_hooks(self.rt.rank)  # the tests' (TRAINER_FAULT, TRAINER_SAMPLE_TRACE); None in a user's run
 
     def fit(self) -> int:
         """Train to the end (exit code 0), or until a signal (a checkpoint, then EXIT_PREEMPTED)."""
@@ -158,16 +159,11 @@ class Trainer:
         t_epoch = time.perf_counter()
         batches = r.loader.epoch(epoch, st.epoch_step)
         while True:
-            self.profiler.before_step()
-            d0 = self.timer.mark()
-            r.watchdog.at("data")  # named if it hangs here
-            with record_function("step.data"):
-                crash_point("batch", st.step + 1)  # fault injection (tests): a read that blocks
-                batch = next(batches, None)  # augmented on the device: by the epoch, or by the step from host memory
+            batch, d0, d1 = self.read_batch(batches, st.step + 1)
             if batch is None:
                 break
-            d1 = self.timer.mark()
-            trace_samples(epoch, st.epoch_step, self.rt.rank, batch[2])  # tests only (TRAINER_SAMPLE_TRACE)
+            if self.hooks:
+                self.hooks.after_read(epoch, st.epoch_step, batch[2])
             r.watchdog.at("step")
             loss = self.train_step(batch[0], batch[1])
             self.timer.add(d0, d1, self.timer.mark())
@@ -177,10 +173,7 @@ class Trainer:
             steps += 1
             loss_sum += loss
             window.add(loss)
-            self.profiled(self.profiler.after_step())
-            self.after_first_step(loss)
-            if window.due(st.step, cfg.train.log_every, cfg.train.log_seconds):
-                self.log(epoch, window)
+            self.after_step(epoch, window, loss)
             with record_function("step.stop_poll"):
                 stop = r.stop.poll()  # every rank agrees (a tiny all-reduce under ddp)
             if stop:
@@ -191,6 +184,25 @@ class Trainer:
                 break
         self.epoch_stats = self.summarize(steps, loss_sum, t_epoch)
         return False
+
+    def read_batch(self, batches, step: int) -> tuple:
+        """The next batch (None at the epoch's end), augmented on the device (by the epoch, or by the
+        step from host memory), and the timer's marks around its read, which the watchdog names if it hangs."""
+        self.profiler.before_step()
+        d0 = self.timer.mark()
+        self.r.watchdog.at("data")
+        with record_function("step.data"):
+            if self.hooks:
+                self.hooks.before_read(step)  # tests: a read that blocks, a kill
+            batch = next(batches, None)
+        return batch, d0, self.timer.mark()
+
+    def after_step(self, epoch: int, window: LogWindow, loss: torch.Tensor) -> None:
+        """The profiler's step, the first step's record, and the progress line when one is due."""
+        self.profiled(self.profiler.after_step())
+        self.after_first_step(loss)
+        if window.due(self.state.step, self.cfg.train.log_every, self.cfg.train.log_seconds):
+            self.log(epoch, window)
 
     def after_first_step(self, loss: torch.Tensor) -> None:
         """Once: host buffers for async saves, and the first-step record (when no warm-up wrote it)."""

@@ -7,7 +7,7 @@ of the image size above 64 px), then the centre crop; the run's mean and std.
 
 On a GPU, DataLoader workers only read the JPEGs' bytes; the GPU decodes each batch in one nvjpeg
 call and crops and resizes it in one roi_align (the streamed evaluation's own path,
-trainer/worker/stream.py), and the model runs in bf16 and channels-last, as training evaluates:
+trainer/worker/data/stream.py), and the model runs in bf16 and channels-last, as training evaluates:
 the host's cores no longer set the pace. Elsewhere (the CPU; a PNG, or any image that is not a
 JPEG) the workers decode with PIL, a JPEG at the smallest DCT scale that still covers the size
 (PIL's draft: a large photo decodes at a fraction of the cost). An unreadable file is one line,
@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, Dataset
 from trainer.config import ConfigError
 from trainer.contract import one_line
 from trainer.worker.data import store_size
-from trainer.worker.folders import IMAGE_SUFFIXES, resize_center, to_rgb
+from trainer.worker.data.folders import IMAGE_SUFFIXES, resize_center, to_rgb
 from trainer.worker.trained import Trained
 
 
@@ -43,7 +43,7 @@ def find_images(paths: list[str]) -> list[tuple]:
             raise ConfigError(f"{given} does not exist; give image files, folders of images or a shards folder")
         splits = [s for s in ("test", "train") if (p / f"{s}.json").is_file()] if p.is_dir() else []
         if splits:
-            from trainer.worker.shards import ShardSet
+            from trainer.worker.data.shards import ShardSet
 
             found += [("shard", str(p), s, i) for s in splits for i in range(len(ShardSet(p, s)))]
         elif p.is_dir():
@@ -72,7 +72,7 @@ class Images(Dataset):
     def _read(self, ref: tuple) -> tuple[bytes, str]:
         if ref[0] == "file":
             return Path(ref[1]).read_bytes(), ref[1]
-        from trainer.worker.shards import ShardSet
+        from trainer.worker.data.shards import ShardSet
 
         key = (ref[1], ref[2])
         if key not in self.shards:
@@ -103,7 +103,7 @@ class Images(Dataset):
 def _batch(items: list) -> tuple:
     """(decoded uint8 images, their names, JPEG bytes, their names, [(unreadable, why)], the
     readable images' positions in the input: decoded ones first, then the JPEGs)."""
-    from trainer.worker.stream import one_buffer
+    from trainer.worker.data.stream import one_buffer
 
     decoded = [it for it in items if it[0] is not None and it[3] != "raw"]
     raws = [it for it in items if it[3] == "raw"]
@@ -117,7 +117,7 @@ def decode_jpegs(raws: tuple[torch.Tensor, list[int]], size: int, device: torch.
     decoded, which did). One nvjpeg call; where one image fails it, each alone finds which."""
     from torchvision.io import ImageReadMode, decode_jpeg
 
-    from trainer.worker.stream import boxes, crop_batch, decode_each
+    from trainer.worker.data.stream import boxes, crop_batch, decode_each
 
     views = list(torch.split(raws[0], raws[1]))  # nvjpeg reads the bytes from host memory
     try:

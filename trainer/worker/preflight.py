@@ -44,7 +44,7 @@ def preflight(cfg: Config) -> None:
     folder = resume_from(cfg)
     d = cfg.data
     if d.name == "shards":
-        from trainer.worker import shards
+        from trainer.worker.data import shards
 
         shards.check(Path(d.dir))
     if d.name != "imagefolder" or Path(d.dir).is_dir():  # the size the model gets (a missing folder is said below)

@@ -17,7 +17,7 @@ from trainer.config import Config, ConfigError
 from trainer.worker import compile_cache, data, models, parallel, pretrained
 from trainer.worker.checkpoint.checkpointer import Checkpointer
 from trainer.worker.checkpoint.parts import ModelPart, OptimizerPart, TrainState
-from trainer.worker.loader import Augment, make_train_loader
+from trainer.worker.data.loader import Augment, make_train_loader
 from trainer.worker.metrics import Progress, RunLog, Startup
 from trainer.worker.optim import build_optimizer, build_schedule
 from trainer.worker.runtime import Runtime, agree, broadcast
@@ -190,7 +190,7 @@ def pick_checkpoint(ckpt: Checkpointer, rt: Runtime) -> Path | None:
 
 def make_loader(cfg: Config, rt: Runtime, split: Any, fast: Fast, augment: Augment):
     """The streamed loader for a set left in its shards, else an in-memory one."""
-    from trainer.worker.stream import Streamed, StreamLoader, gpu_decode
+    from trainer.worker.data.stream import Streamed, StreamLoader, gpu_decode
 
     if isinstance(split, Streamed):
         return StreamLoader(split, cfg, rt, rt.per_rank_batch(cfg.train.batch_size), augment, gpu_decode(cfg, rt))
@@ -202,7 +202,7 @@ def load_data(cfg: Config, rt: Runtime, fast: Fast) -> tuple[Any, Any, int, data
     data.device_resident; streamed: left in the shards), the steps of one epoch and the plan the
     start line prints. data.image_size is resolved here (written into ``cfg``) and checked against
     the model."""
-    from trainer.worker.stream import Streamed
+    from trainer.worker.data.stream import Streamed
 
     error, splits, plan = None, None, None
     try:

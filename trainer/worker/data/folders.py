@@ -1,6 +1,6 @@
 """Image folders and their tarballs: finding a split, reading its images' bytes in sorted order,
-turning any image into 8-bit RGB at a size. What the in-memory cache (trainer/worker/data.py) and the
-shard writer (trainer/worker/shards.py) both read with."""
+turning any image into 8-bit RGB at a size. What the in-memory cache (trainer/worker/data/__init__.py) and the
+shard writer (trainer/worker/data/shards.py) both read with."""
 
 from __future__ import annotations
 

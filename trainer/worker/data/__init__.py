@@ -3,10 +3,10 @@
 Each data set is decoded once into a uint8 cache ([N, 3, S, S] images, int64 labels) so that
 later runs, and the other processes of this one, read a single file. One process per machine does
 the download or decode while the others wait on a file lock: no concurrent-download race, and no
-process group is needed for it. trainer/worker/loader.py turns these tensors into batches. S is the
+process group is needed for it. trainer/worker/data/loader.py turns these tensors into batches. S is the
 stored size (:func:`store_size`): the image size for small images, 8/7 of it for larger ones
 (resize the shorter side, centre crop), so that training crops and test centre crops come from it.
-A set too large for memory is streamed from shards instead (trainer/worker/shards.py, trainer/worker/stream.py);
+A set too large for memory is streamed from shards instead (trainer/worker/data/shards.py, trainer/worker/data/stream.py);
 :func:`plan` decides which, and says why.
 
 torch is imported inside the functions that need it: ``trainer launch`` asks :func:`ready` before
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from trainer.config import Config, ConfigError
 from trainer.contract import one_line, say, warn
 from trainer.files import flock, replacing
-from trainer.worker.folders import IMAGE_SUFFIXES, _archive, check_same_classes, find_source, members, resize_center, to_rgb
+from trainer.worker.data.folders import IMAGE_SUFFIXES, _archive, check_same_classes, find_source, members, resize_center, to_rgb
 
 PROGRESS_S = 5.0
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
@@ -301,7 +301,7 @@ def resolve_image_size(cfg: Config) -> tuple[int, str]:
     if cfg.data.name in ("cifar10", "synthetic"):
         return 32, "auto: the set's own"
     if cfg.data.name == "shards":
-        from trainer.worker import shards
+        from trainer.worker.data import shards
 
         side = shards.read_index(Path(cfg.data.dir), "train")["median_short_side"]
     else:
@@ -331,7 +331,7 @@ def _decode_shards(root: Path, side: int) -> tuple[Split, Split]:
     of shards that fit."""
     import torch
 
-    from trainer.worker.shards import ShardSet, check
+    from trainer.worker.data.shards import ShardSet, check
 
     check(root)
     out = []
@@ -374,7 +374,7 @@ def load(cfg: Config) -> tuple[Split, Split]:
     elif name == "cifar10":
         train, test = _cifar10(cfg)
     elif name == "shards":
-        from trainer.worker import shards
+        from trainer.worker.data import shards
 
         train, test = _cached(cfg, shards.cache_key(Path(cfg.data.dir), side), lambda: _decode_shards(Path(cfg.data.dir), side))
     else:
@@ -431,7 +431,7 @@ def _source(cfg: Config) -> str:
 def train_images(cfg: Config) -> int | None:
     """Training images of an image folder (a listing) or of shards (their index); None for tarballs."""
     if cfg.data.name == "shards":
-        from trainer.worker import shards
+        from trainer.worker.data import shards
 
         return shards.read_index(Path(cfg.data.dir), "train")["images"]
     return _split_images(Path(cfg.data.dir) / "train")
@@ -461,7 +461,7 @@ def plan(cfg: Config, cuda_total: int | None, local_procs: int) -> Plan:
     where = "on the GPU" if cuda_total else "in host memory"
     d = cfg.data
     if d.name == "shards":
-        from trainer.worker import shards
+        from trainer.worker.data import shards
 
         train, test = shards.check(Path(d.dir))
         need = (train["images"] + test["images"]) * 3 * side * side

@@ -1,12 +1,12 @@
 """The streamed path: batches read from shards step by step, for sets that do not fit in memory.
 
-The order is the in-memory loaders' (trainer/worker/loader.py): one permutation of the whole set per
+The order is the in-memory loaders' (trainer/worker/data/loader.py): one permutation of the whole set per
 epoch from ``seed + epoch``, rank r takes every world-size-th image, so global batch k holds the
 same images at any world size, and a resume at step k (at any world size) reads on from there.
 Each image's crop and flip come from uniform numbers drawn for its place in the global batch
 from ``(seed, epoch, step)``: the same at any world size and after a resume.
 
-DataLoader workers read a step's JPEG bytes by index (trainer/worker/shards.py). With ``decode=cpu`` the
+DataLoader workers read a step's JPEG bytes by index (trainer/worker/data/shards.py). With ``decode=cpu`` the
 workers decode (libjpeg-turbo through torchvision.io), crop and resize in uint8, and the step
 receives uint8 images. With ``decode=gpu`` the workers only read: a batch's JPEGs travel as one
 buffer (one shared-memory segment and one pinned copy, not one per image), nvjpeg decodes them in
@@ -43,9 +43,9 @@ from torch.utils.data import DataLoader, Dataset
 from trainer.config import Config, ConfigError
 from trainer.contract import say
 from trainer.worker.data import store_size
-from trainer.worker.loader import crop_boxes, quiet_worker, rank_order
+from trainer.worker.data.loader import crop_boxes, quiet_worker, rank_order
+from trainer.worker.data.shards import ShardSet
 from trainer.worker.runtime import Runtime
-from trainer.worker.shards import ShardSet
 
 
 def center_box(h: int, w: int, size: int) -> tuple[int, int, int, int]:
@@ -376,8 +376,8 @@ def _as_is(item):
 def eval_batches(split: Streamed, cfg: Config, rt: Runtime, batch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's contiguous share of the test shards in batches, centre-cropped at
     data.image_size (uint8 from CPU workers, float from the GPU's decoder); every rank yields the
-    same number of batches (the last ones may be empty), as trainer/worker/loader.py's eval_batches."""
-    from trainer.worker.loader import eval_shard
+    same number of batches (the last ones may be empty), as trainer/worker/data/loader.py's eval_batches."""
+    from trainer.worker.data.loader import eval_shard
 
     shards, on_gpu = split.shards, gpu_decode(cfg, rt)
     mine, size = eval_shard(len(shards), rt), cfg.data.image_size

@@ -6,7 +6,7 @@ webdataset's ShardWriter (each sample ``KEY.jpg`` and ``KEY.cls``), and ``OUT/tr
 names and the images' median shorter side beside it. Any WebDataset or wids tool reads them.
 
 Reading is by sample index: the trainer's order (a permutation of the whole set per epoch, every
-rank its share of each global batch; trainer/worker/stream.py) needs any sample at any time.
+rank its share of each global batch; trainer/worker/data/stream.py) needs any sample at any time.
 webdataset's own reader streams each shard from its start, so its order depends on how shards
 are split over ranks and workers. wids reads by index, but its IndexedTarSamples keeps Python
 objects for every member of every shard it opens: 77 MB per 10,000-image shard in each process
@@ -51,7 +51,7 @@ def _prepare(item: tuple[int, str, str, bytes, int]) -> tuple[int, str, bytes | 
     """(index, class, JPEG bytes or None when the image does not decode, its shorter side)."""
     from PIL import Image
 
-    from trainer.worker.folders import to_rgb
+    from trainer.worker.data.folders import to_rgb
 
     i, cls, name, raw, max_side = item
     try:
@@ -74,7 +74,7 @@ def _prepare(item: tuple[int, str, str, bytes, int]) -> tuple[int, str, bytes | 
 def write(source_root: Path, out: Path, max_side: int = 512, workers: int | None = None) -> dict[str, dict]:
     """Write the train and test splits of ``source_root`` (class folders or their .tar.gz) as
     shards in ``out``; returns each split's index. Images are read in the folder's sorted order."""
-    from trainer.worker.folders import check_same_classes, find_source
+    from trainer.worker.data.folders import check_same_classes, find_source
 
     if not source_root.is_dir():
         raise ConfigError(f"{source_root} does not exist; point it at a folder of train/ and test/ class folders (or their .tar.gz)")
@@ -101,7 +101,7 @@ def _write_split(source: Path, out: Path, split: str, max_side: int, workers: in
     """One split's shards (images checked and converted by ``workers`` processes) and its index."""
     import webdataset as wds
 
-    from trainer.worker.folders import members
+    from trainer.worker.data.folders import members
 
     t0 = last = time.monotonic()
     sides, bad, classes = [], [], set()
@@ -172,7 +172,7 @@ def read_index(root: Path, split: str) -> dict:
 
 def check(root: Path) -> tuple[dict, dict]:
     """Both splits' indexes, every shard present at its recorded size, the same classes."""
-    from trainer.worker.folders import check_same_classes
+    from trainer.worker.data.folders import check_same_classes
 
     indexes = read_index(root, "train"), read_index(root, "test")
     for index in indexes:
