@@ -177,6 +177,8 @@ def test_large_images_are_stored_at_8_7_of_the_size_resized_and_centre_cropped(t
     assert data.store_size(84) == 96 and train.images.shape == (3, 3, 96, 96)
     assert train.images[:, :, :, :4].float().mean() < 250  # the white left quarter was cut away
     assert "84 px (data.image_size)" in plan.describe(3, 3, 3) and "in memory, in host memory" in plan.path_why
+    auto = cfg_for(root, tmp_path)  # data.image_size=0: the set's own, resolved by the plan
+    assert data.plan(auto, None, 1).image_size > 0 and auto.data.image_size == 0  # returned; the config is the caller's
 
 
 def test_grayscale_cmyk_and_transparent_images_load_as_rgb(tmp_path, warned):

@@ -221,7 +221,8 @@ def data(shards_out, max_side, config_file, overrides):
         click.echo(f"{index['train']['images']} train and {index['test']['images']} test images, {len(index['train']['classes'])} classes "
                    f"in {shards_out}; train with: data.name=shards data.dir={shards_out}")
         return
-    plan = datasets.plan(cfg, None, 1)  # data.image_size resolved: the cache holds the size that training reads
+    plan = datasets.plan(cfg, None, 1)
+    cfg.data.image_size = plan.image_size  # resolved: the cache holds the size that training reads
     if cfg.data.name == "shards":  # checked; the workers decode a set that fits, or stream it
         click.echo(f"{plan.source}: shards complete; {plan.path_why} (on this node)")
         return
@@ -303,7 +304,8 @@ def prepare_data(cfg, config_file: str, overrides: list[str], nproc: int, picked
     so (``overrides`` gets data.name=synthetic); a named config gets its data or its error."""
     from trainer.worker import data as datasets
 
-    plan = datasets.plan(cfg, None, nproc)  # data.image_size resolved, as the workers will
+    plan = datasets.plan(cfg, None, nproc)
+    cfg.data.image_size = plan.image_size  # resolved, as the workers will
     if plan.stream or datasets.ready(cfg):
         return
     try:

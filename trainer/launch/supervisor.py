@@ -293,13 +293,14 @@ def node_cache_env(cfg: Config | None, probe: str = "torch") -> dict[str, str]:
     is left alone.
 
     - CUDA_CACHE_PATH (``compile-cache/cuda-jit``): the driver's cache of kernels it compiled from
-      PTX at run time, in ``~/.nv`` otherwise. On an H200 node a warm default.yaml start spent 5 s
-      more in its first forward-backward on a fresh node than on the node that had run it before
-      (15.5 against 10.0 s from the command), and ``~/.nv`` was all its HOME held.
+      PTX at run time, in ``~/.nv`` otherwise, which a fresh node lacks: its first forward-backward
+      compiles them again.
     - PYTHONPYCACHEPREFIX (``compile-cache/python-bytecode``), only where the installation carries
       no bytecode for torch (an image built with ``pip --no-compile`` whose site-packages the job
-      cannot write, PYTHONDONTWRITEBYTECODE=1): every process of every start compiled torch's
-      Python sources again, 8 s of a warm worker on an H200 node, 2 s of torchrun's."""
+      cannot write, PYTHONDONTWRITEBYTECODE=1): every process of every start compiles torch's
+      Python sources again otherwise.
+
+    What each saves: BENCHMARKS.md, "What each optimisation bought" and the restarts."""
     import importlib.util
 
     if cfg is None or not cfg.model.compile_cache:

@@ -17,9 +17,8 @@ from trainer.runfolder import newest_complete
 ELASTIC_LAST_CALL_S = 5
 """An elastic group re-forms this long after its MIN nodes are back (torchrun's default: 30 s)."""
 ETCD_LAST_CALL_S = 2
-"""The same for etcd-v2 (torch's same rendezvous, its state in etcd), shorter: with 5 s a loss of
-rank 0's host took 24-25 s to the next step on an idle test bed (31 s under CI's load), with 2 s
-20-22 s."""
+"""The same for etcd-v2 (torch's same rendezvous, its state in etcd), shorter: what it costs a lost
+node, RELIABILITY.md, "A rendezvous in etcd"."""
 ELASTIC_KEEP_ALIVE_S = 3
 """Seconds between an elastic job's rendezvous keep-alives (torchrun's default: 5 s)."""
 

@@ -81,7 +81,8 @@ def evaluate_checkpoint(path: str, config_file: str | None, overrides, report_di
     try:
         fast = Fast.resolve(cfg, rt)
         files.check_model(about.get("model"), cfg.model.name, where)
-        plan = data.plan(cfg, None, 1)  # the size the checkpoint was trained at (stored resolved); streamed if large
+        plan = data.plan(cfg, None, 1)  # streamed if large
+        cfg.data.image_size = plan.image_size  # the size the checkpoint was trained at (stored resolved)
         _, test_split = (None, Streamed(Path(cfg.data.dir), "test")) if plan.stream else data.load(cfg)
         files.check_classes(about.get("classes"), test_split.classes, where)
         model = models.build(cfg.model.name, len(about.get("classes") or test_split.classes), cfg.data.image_size)

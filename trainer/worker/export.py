@@ -49,7 +49,9 @@ def check_batch(model: Trained) -> tuple[torch.Tensor, str]:
             from trainer.worker import data
 
             cfg = from_dict(model.config)
-            if not data.plan(cfg, None, 1).stream:
+            plan = data.plan(cfg, None, 1)
+            cfg.data.image_size = plan.image_size
+            if not plan.stream:
                 images = data.load(cfg)[1].images[:CHECK_BATCH]
                 o = (images.shape[-1] - model.image_size) // 2  # the centre crop, as evaluation takes it
                 x = model.normalize(images[:, :, o : o + model.image_size, o : o + model.image_size])

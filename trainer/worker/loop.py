@@ -44,7 +44,7 @@ class LogWindow:
 
 class Trainer:
     def __init__(self, run: Run):
-        self.r = run
+        self.run = run
         self.cfg, self.rt, self.state = run.cfg, run.rt, run.state
         self.timer = StepTimer(self.rt.cuda)
         self.stragglers = Stragglers(self.rt, run.hosts)
@@ -61,10 +61,10 @@ class Trainer:
             if self.train_epoch(self.state.epoch):
                 self.save(sync=True)
                 if stopped_by_torchrun():  # not a preemption: the group goes on at its new size
-                    self.r.say.line(f"stopped by torchrun for a re-form of the group at step {self.state.step}; checkpoint saved, "
+                    self.run.say.line(f"stopped by torchrun for a re-form of the group at step {self.state.step}; checkpoint saved, "
                                     "the re-formed group resumes from it")
                 else:
-                    self.r.say.line(f"stopped by {self.r.stop.signal_name} at step {self.state.step}; checkpoint saved, exit {EXIT_PREEMPTED}")
+                    self.run.say.line(f"stopped by {self.run.stop.signal_name} at step {self.state.step}; checkpoint saved, exit {EXIT_PREEMPTED}")
                 return EXIT_PREEMPTED
             self.end_epoch()
         self.finish()
@@ -72,19 +72,19 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------------
     def start(self) -> None:
-        r = self.r
+        run = self.run
         if self.rt.is_main:
-            (r.root / "config.yaml").write_text(to_yaml(self.cfg))
+            (run.root / "config.yaml").write_text(to_yaml(self.cfg))
         shown = torch.cuda.device_count() if self.rt.strategy == "dp" else self.rt.world_size
-        where = f"resuming from {r.resumed_from} (epoch {self.state.epoch}, step {self.state.step})" if r.resumed_from else "starting fresh"
-        r.say.line(
+        where = f"resuming from {run.resumed_from} (epoch {self.state.epoch}, step {self.state.step})" if run.resumed_from else "starting fresh"
+        run.say.line(
             f"{self.cfg.model.name} | strategy {self.rt.strategy} x{shown} on {self.rt.device.type} | "
-            f"{r.data_plan.describe(len(r.train_split), len(r.test_split), len(r.train_split.classes))} | {r.fast} | "
-            + (f"{r.weights} | " if r.weights else "") + f"{where} | run folder {r.root}"
+            f"{run.data_plan.describe(len(run.train_split), len(run.test_split), len(run.train_split.classes))} | {run.fast} | "
+            + (f"{run.weights} | " if run.weights else "") + f"{where} | run folder {run.root}"
         )
-        r.metrics.write({"event": "start", "strategy": self.rt.strategy, "world_size": self.rt.world_size, "step": self.state.step,
-                     "resumed_from": str(r.resumed_from) if r.resumed_from else None, "fast": str(r.fast)})
-        if r.fast.compile or self.rt.cuda:
+        run.metrics.write({"event": "start", "strategy": self.rt.strategy, "world_size": self.rt.world_size, "step": self.state.step,
+                     "resumed_from": str(run.resumed_from) if run.resumed_from else None, "fast": str(run.fast)})
+        if run.fast.compile or self.rt.cuda:
             self.warm_up()
 
     def warm_up(self) -> None:
@@ -96,34 +96,34 @@ class Trainer:
         too: the first launch of each CUDA kernel loads its module (lazy loading, tens of
         milliseconds in all), which the first epoch's input pipeline would otherwise pay. It draws
         the epoch-0 numbers that training then uses: no random state moves."""
-        r = self.r
-        clock = r.startup
+        run = self.run
+        clock = run.startup
         clock.mark("build_rest")  # input pipeline, run log, watchdog
-        saved = {k: v.detach().clone() for k, v in r.model.state_dict().items()}
-        x, y = r.loader.first_batch()
-        r.net.train()
-        for i in range(3 if r.fast.cudagraphs else 1):
+        saved = {k: v.detach().clone() for k, v in run.model.state_dict().items()}
+        x, y = run.loader.first_batch()
+        run.net.train()
+        for i in range(3 if run.fast.cudagraphs else 1):
             _ = self.forward_backward(x, y).item()
-            r.model.zero_grad(set_to_none=True)  # the model's: with bf16 weights the optimizer holds only their masters
+            run.model.zero_grad(set_to_none=True)  # the model's: with bf16 weights the optimizer holds only their masters
             clock.mark("compile_and_first_forward_backward" if i == 0 else "cuda_graph_recording")
-        if r.extras.warm_up(r.optimizer):
+        if run.extras.warm_up(run.optimizer):
             clock.mark("master_update_compile")
         with torch.no_grad():
-            for k, v in r.model.state_dict().items():
+            for k, v in run.model.state_dict().items():
                 v.copy_(saved[k])
         clock.mark("restore_after_warm_up")
-        self.first_step_s, since = time.perf_counter() - r.started_at, since_command()  # both clocks at the same moment
+        self.first_step_s, since = time.perf_counter() - run.started_at, since_command()  # both clocks at the same moment
         cache_bytes = 0
-        if r.compile_cache != "off" and self.rt.is_main:
+        if run.compile_cache != "off" and self.rt.is_main:
             # what this start compiled or found, for the next one
-            cache_bytes = compile_cache.seal(r.root, r.compile_key)
+            cache_bytes = compile_cache.seal(run.root, run.compile_key)
             clock.mark("compile_cache_seal (after the first-step clock)")
-        if r.compile_cache != "off":
-            r.say.line(f"compile cache {r.compile_key}: {r.compile_cache}" + (f"; sealed {cache_bytes / 2**20:.1f} MiB for restarts" if cache_bytes else ""))
-        r.metrics.write({"event": "first_step", "seconds": round(self.first_step_s, 3), "since_command_s": since, "compiled": r.fast.compile,
-                     "compile_cache": r.compile_cache, "compile_cache_bytes": cache_bytes,
-                     "startup_s": clock.phases, "compile_s": clock.compile_seconds() if r.fast.compile else {},
-                     "graph_cache": clock.graph_cache_counts() if r.fast.compile else {}})
+        if run.compile_cache != "off":
+            run.say.line(f"compile cache {run.compile_key}: {run.compile_cache}" + (f"; sealed {cache_bytes / 2**20:.1f} MiB for restarts" if cache_bytes else ""))
+        run.metrics.write({"event": "first_step", "seconds": round(self.first_step_s, 3), "since_command_s": since, "compiled": run.fast.compile,
+                     "compile_cache": run.compile_cache, "compile_cache_bytes": cache_bytes,
+                     "startup_s": clock.phases, "compile_s": clock.compile_seconds() if run.fast.compile else {},
+                     "graph_cache": clock.graph_cache_counts() if run.fast.compile else {}})
 
     def done_steps(self) -> bool:
         return 0 < self.cfg.train.max_steps <= self.state.step
@@ -131,51 +131,51 @@ class Trainer:
     # The record_function labels name the parts of a step in profiles (profile.steps); without a
     # profiler running each costs about a microsecond.
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with record_function("step.forward"), torch.autocast(self.rt.device.type, dtype=torch.bfloat16, enabled=self.r.fast.bf16):
-            loss = self.r.net(x, y)  # the model and its loss (compiled together)
+        with record_function("step.forward"), torch.autocast(self.rt.device.type, dtype=torch.bfloat16, enabled=self.run.fast.bf16):
+            loss = self.run.net(x, y)  # the model and its loss (compiled together)
         self.timer.forward_end = self.timer.mark()  # the step's own part ends: the backward waits for the other ranks
         with record_function("step.backward"):
             loss.backward()
         return loss.detach()
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        r = self.r
+        run = self.run
         loss = self.forward_backward(x, y)
         with record_function("step.optimizer"):
-            r.optimizer.step()
-            r.optimizer.zero_grad(set_to_none=True)
-            r.schedule.step()
-            r.extras.after_step(self.state.step + 1, r.total_steps)
+            run.optimizer.step()
+            run.optimizer.zero_grad(set_to_none=True)
+            run.schedule.step()
+            run.extras.after_step(self.state.step + 1, run.total_steps)
         return loss
 
     def train_epoch(self, epoch: int) -> bool:
         """One epoch from ``state.epoch_step``; True when every rank agreed to stop on a signal."""
-        r, cfg, st = self.r, self.cfg, self.state
-        r.net.train()
+        run, cfg, st = self.run, self.cfg, self.state
+        run.net.train()
         self.timer.reset()
-        loss_sum, window = torch.zeros((), device=self.rt.device), LogWindow(self.rt.device, r.watchdog.stalled_s)
+        loss_sum, window = torch.zeros((), device=self.rt.device), LogWindow(self.rt.device, run.watchdog.stalled_s)
         steps = 0
         self.resumed_at = st.epoch_step  # > 0: this epoch's figures cover only the steps after a resume
         t_epoch = time.perf_counter()
-        batches = r.loader.epoch(epoch, st.epoch_step)
+        batches = run.loader.epoch(epoch, st.epoch_step)
         while True:
             batch, d0, d1 = self.read_batch(batches, st.step + 1)
             if batch is None:
                 break
             if self.hooks:
                 self.hooks.after_read(epoch, st.epoch_step, batch[2])
-            r.watchdog.at("step")
+            run.watchdog.at("step")
             loss = self.train_step(batch[0], batch[1])
             self.timer.add(d0, d1, self.timer.mark())
             st.step += 1
             st.epoch_step += 1
-            r.watchdog.beat(st.step)  # progress, for the hang watchdog: a clock read, no sync
+            run.watchdog.beat(st.step)  # progress, for the hang watchdog: a clock read, no sync
             steps += 1
             loss_sum += loss
             window.add(loss)
             self.after_step(epoch, window, loss)
             with record_function("step.stop_poll"):
-                stop = r.stop.poll()  # every rank agrees (a tiny all-reduce under ddp)
+                stop = run.stop.poll()  # every rank agrees (a tiny all-reduce under ddp)
             if stop:
                 return True
             if cfg.checkpoint.every_steps and st.step % cfg.checkpoint.every_steps == 0:
@@ -190,7 +190,7 @@ class Trainer:
         step from host memory), and the timer's marks around its read, which the watchdog names if it hangs."""
         self.profiler.before_step()
         d0 = self.timer.mark()
-        self.r.watchdog.at("data")
+        self.run.watchdog.at("data")
         with record_function("step.data"):
             if self.hooks:
                 self.hooks.before_read(step)  # tests: a read that blocks, a kill
@@ -210,23 +210,23 @@ class Trainer:
             self.reserve()
         if self.first_step_s is None:
             _ = loss.item()  # one-time sync: time to first step includes compilation
-            self.first_step_s = time.perf_counter() - self.r.started_at
-            self.r.metrics.write({"event": "first_step", "seconds": round(self.first_step_s, 3), "since_command_s": since_command()})
+            self.first_step_s = time.perf_counter() - self.run.started_at
+            self.run.metrics.write({"event": "first_step", "seconds": round(self.first_step_s, 3), "since_command_s": since_command()})
 
     def log(self, epoch: int, window: LogWindow) -> None:
-        r, cfg, step = self.r, self.cfg, self.state.step
+        run, cfg, step = self.run, self.cfg, self.state.step
         value = (window.loss / window.steps).item()  # CPU-GPU sync point, once per log line
-        now, stalled = time.perf_counter(), r.watchdog.stalled_s
+        now, stalled = time.perf_counter(), run.watchdog.stalled_s
         stall = stalled - window.stalled_s  # a link cut ridden out, a slow read: not the run's pace
         busy = max(now - window.start - stall, 1e-9)
         ips = window.steps * cfg.train.batch_size / busy
-        eta = (r.total_steps - step) * busy / window.steps
+        eta = (run.total_steps - step) * busy / window.steps
         ranks, note = {}, ""
         if step % cfg.train.log_every == 0:  # the same steps on every rank (a time-based line is not): an all-gather
             ranks, note = self.stragglers.judge(self.stragglers.gather(self.timer.own_ms()))
-        r.say.step(epoch, cfg.train.epochs, self.state.epoch_step, r.steps_per_epoch, value, ips, eta, stall, note)
-        r.metrics.write({"event": "log", "epoch": epoch, "step": step, "loss": round(value, 5), "images_per_s": round(ips, 1),
-                         "window_steps": window.steps, "stalled_s": round(stall, 3), "lr": r.schedule.get_last_lr()[0], **ranks})
+        run.say.step(epoch, cfg.train.epochs, self.state.epoch_step, run.steps_per_epoch, value, ips, eta, stall, note)
+        run.metrics.write({"event": "log", "epoch": epoch, "step": step, "loss": round(value, 5), "images_per_s": round(ips, 1),
+                         "window_steps": window.steps, "stalled_s": round(stall, 3), "lr": run.schedule.get_last_lr()[0], **ranks})
         window.reset(now, stalled)
 
     def summarize(self, steps: int, loss_sum: torch.Tensor, t_epoch: float) -> dict:
@@ -250,18 +250,18 @@ class Trainer:
         last = epoch + 1 == cfg.train.epochs or self.done_steps()
         test_loss = test_acc = None
         if last or (epoch + 1) % cfg.train.eval_every == 0:
-            self.r.watchdog.at("eval")
-            parallel.sync_buffers(self.r.model, self.rt)
-            test_loss, test_acc = evaluate(self.r.model, self.r.test_split, self.cfg, self.rt, self.r.augment, self.r.fast.bf16,
-                                          self.r.watchdog.beat)
-        if not self.done_steps() or st.epoch_step >= self.r.steps_per_epoch:
+            self.run.watchdog.at("eval")
+            parallel.sync_buffers(self.run.model, self.rt)
+            test_loss, test_acc = evaluate(self.run.model, self.run.test_split, self.cfg, self.rt, self.run.augment, self.run.fast.bf16,
+                                          self.run.watchdog.beat)
+        if not self.done_steps() or st.epoch_step >= self.run.steps_per_epoch:
             st.epoch, st.epoch_step = epoch + 1, 0
         partial = {"resumed_at_epoch_step": self.resumed_at} if self.resumed_at else {}
         record = {"event": "epoch", "epoch": epoch + 1, "step": st.step, **self.epoch_stats, **partial,
                   "test_loss": None if test_loss is None else round(test_loss, 5), "test_acc": None if test_acc is None else round(test_acc, 5)}
-        self.r.metrics.write(record)
+        self.run.metrics.write(record)
         acc = "" if test_acc is None else f" | test acc {100 * test_acc:.2f}%"
-        self.r.say.line(f"epoch {epoch + 1}/{cfg.train.epochs} | {self._train_figures(acc)}")
+        self.run.say.line(f"epoch {epoch + 1}/{cfg.train.epochs} | {self._train_figures(acc)}")
         every = cfg.checkpoint.every_epochs
         if not last and every and (epoch + 1) % every == 0:
             self.save()
@@ -276,35 +276,35 @@ class Trainer:
     def reserve(self) -> None:
         """Pinned host buffers for async saves, once the optimizer state exists (after a step):
         pinning gigabytes takes a second or more, which no save should pay."""
-        self.r.checkpointer.reserve()
+        self.run.checkpointer.reserve()
         self.reserved = True
 
     def save(self, sync: bool = False) -> None:
         """Rank 0 writes step-N; with async saves only the copy to pinned memory stalls training."""
-        r, st = self.r, self.state
+        run, st = self.run, self.state
         if self.last_saved == st.step:
             return
-        r.watchdog.at("save")
-        done = r.checkpointer.save(st.step, sync)
+        run.watchdog.at("save")
+        done = run.checkpointer.save(st.step, sync)
         if done is not None:
-            r.metrics.write({"event": "checkpoint", "step": st.step, "stall_s": round(done[0], 4), "async": done[1]})
-        if sync or not r.fast.async_save:  # decided alike on every rank (only rank 0 writes)
+            run.metrics.write({"event": "checkpoint", "step": st.step, "stall_s": round(done[0], 4), "async": done[1]})
+        if sync or not run.fast.async_save:  # decided alike on every rank (only rank 0 writes)
             barrier(self.rt)  # the others wait until the checkpoint is on disk
         self.last_saved = st.step
-        r.watchdog.beat(kind="save")
+        run.watchdog.beat(kind="save")
 
     def profiled(self, summary: dict | None) -> None:
         if summary is not None:
-            self.r.metrics.write(summary)
-            self.r.say.line(f"profiled {summary['steps']} steps: {self.r.root}/profile-rank{self.rt.rank}.json and .txt")
+            self.run.metrics.write(summary)
+            self.run.say.line(f"profiled {summary['steps']} steps: {self.run.root}/profile-rank{self.rt.rank}.json and .txt")
 
     def finish(self) -> None:
         self.profiled(self.profiler.close())
         self.save(sync=True)
-        self.r.checkpointer.wait()
+        self.run.checkpointer.wait()
         barrier(self.rt)
         procs = f"{self.rt.world_size} process{'es' if self.rt.world_size > 1 else ''}"
-        title = f"{self.cfg.model.name} on {self.r.data_plan.source}: {self.rt.strategy}, {procs} on {self.rt.device.type}, batch {self.cfg.train.batch_size}"
-        if self.cfg.train.plot and plot_curves(self.r.metrics, self.r.root / "curves.png", title):
-            self.r.say.line(f"wrote {self.r.root / 'curves.png'}")
-        self.r.say.line(f"done: step {self.state.step}, checkpoints in {self.r.root}")
+        title = f"{self.cfg.model.name} on {self.run.data_plan.source}: {self.rt.strategy}, {procs} on {self.rt.device.type}, batch {self.cfg.train.batch_size}"
+        if self.cfg.train.plot and plot_curves(self.run.metrics, self.run.root / "curves.png", title):
+            self.run.say.line(f"wrote {self.run.root / 'curves.png'}")
+        self.run.say.line(f"done: step {self.state.step}, checkpoints in {self.run.root}")

@@ -9,7 +9,7 @@ import torch
 
 from trainer.config import Config, ConfigError, check_devices
 from trainer.worker import data, models, pretrained
-from trainer.worker.checkpoint import folder as checkpoint
+from trainer.worker.checkpoint import folder as files
 from trainer.worker.checkpoint.lock import FolderLock
 from trainer.worker.checkpoint.parts import state_bytes
 
@@ -19,16 +19,16 @@ def resume_from(cfg: Config) -> Path | None:
     exists, and its model and global batch fit. ConfigError (exit 2) otherwise. Cheap: the launcher
     asks it before it downloads or decodes anything."""
     root = Path(cfg.checkpoint.dir)
-    folder = checkpoint.explicit_resume(root, cfg.checkpoint.resume)
+    folder = files.explicit_resume(root, cfg.checkpoint.resume)
     if cfg.checkpoint.resume == "auto":
-        folder = checkpoint.newest_complete(root)
+        folder = files.newest_complete(root)
     if folder is not None:
         folder = folder if folder.is_dir() else folder.parent
-        if (folder / checkpoint.META).is_file():
-            meta = json.loads((folder / checkpoint.META).read_text())
+        if (folder / files.META).is_file():
+            meta = json.loads((folder / files.META).read_text())
             if meta.get("model"):
-                checkpoint.check_model(meta["model"], cfg.model.name, folder)
-            checkpoint.check_global_batch(meta.get("batch_size"), cfg.train.batch_size, folder)
+                files.check_model(meta["model"], cfg.model.name, folder)
+            files.check_global_batch(meta.get("batch_size"), cfg.train.batch_size, folder)
     return folder
 
 
@@ -60,5 +60,5 @@ def preflight(cfg: Config) -> None:
             data.check_archive(data.find_source(Path(d.dir), split))
     elif d.name == "cifar10" and not d.download and not (Path(d.dir) / "cifar-10-batches-py").is_dir():
         raise ConfigError(f"CIFAR-10 is not in data.dir={d.dir} and data.download=false; set data.download=true or point data.dir at it")
-    checkpoint.probe(root, state_bytes(cfg), cfg.checkpoint.keep)
+    files.probe(root, state_bytes(cfg), cfg.checkpoint.keep)
     FolderLock(root).check()  # another live run writes there: exit 2 now, naming it

@@ -200,14 +200,15 @@ def make_loader(cfg: Config, rt: Runtime, split: Any, fast: Fast, augment: Augme
 def load_data(cfg: Config, rt: Runtime, fast: Fast) -> tuple[Any, Any, int, data.Plan]:
     """The training and test splits (in memory: the test split on the device when
     data.device_resident; streamed: left in the shards), the steps of one epoch and the plan the
-    start line prints. data.image_size is resolved here (written into ``cfg``) and checked against
-    the model."""
+    start line prints. data.image_size is resolved here (set in the run's ``cfg``) and checked
+    against the model."""
     from trainer.worker.data.stream import Streamed
 
     error, splits, plan = None, None, None
     try:
         gpu = torch.cuda.get_device_properties(rt.device).total_memory if rt.cuda and fast.device_resident else None
         plan = data.plan(cfg, gpu, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        cfg.data.image_size = plan.image_size  # the run's config: the size the model, the data and the checkpoint's record take
         if problem := models.input_problem(cfg.model.name, cfg.data.image_size):
             raise ConfigError(problem)
         root = Path(cfg.data.dir)

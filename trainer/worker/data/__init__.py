@@ -451,11 +451,11 @@ def _count_images(cfg: Config) -> int | None:
 
 
 def plan(cfg: Config, cuda_total: int | None, local_procs: int) -> Plan:
-    """Resolve data.image_size (written into ``cfg``) and decide the path: in memory where the
-    decoded set fits in its budget (:func:`memory_budget`), else streamed from shards. An image
-    folder too large for memory is refused, naming the command that shards it."""
+    """Resolve data.image_size (``plan.image_size``: the caller's config keeps what the user gave
+    until the caller sets it) and decide the path: in memory where the decoded set fits in its
+    budget (:func:`memory_budget`), else streamed from shards. An image folder too large for memory
+    is refused, naming the command that shards it."""
     size, size_why = resolve_image_size(cfg)
-    cfg.data.image_size = size
     side = store_size(size)
     budget, of = memory_budget(cuda_total, local_procs)
     where = "on the GPU" if cuda_total else "in host memory"

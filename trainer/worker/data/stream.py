@@ -13,10 +13,10 @@ buffer (one shared-memory segment and one pinned copy, not one per image), nvjpe
 one call (torchvision.io.decode_jpeg on a list; the A100/H100 hardware decoder for baseline JPEGs),
 and one torchvision.ops.roi_align call crops and resizes the whole batch (each output pixel the mean
 of the bilinear samples in its cell: an antialiased resize, within a level of F.interpolate's on
-average). A thread does this two batches ahead, on a side stream (DecodeAhead). On one H100, for
-256 photo-sized JPEGs: decode 11-15 ms, crop 2 ms (12 ms one image at a time); the feed alone went
-from 2,410 to 12,911 images/s with the one buffer and the batched crop. Host memory is bounded by
-the workers' prefetched batches (2 per worker), whatever the set's size.
+average). A thread does this two batches ahead, on a side stream (DecodeAhead). The one buffer and
+the batched crop are what made the GPU feed fast (BENCHMARKS.md, "Your own images: ResNet-50 at
+224 px from shards"). Host memory is bounded by the workers' prefetched batches (2 per worker),
+whatever the set's size.
 
 torchvision 0.29 marks its image decoders deprecated in favour of TorchCodec's; they still work
 (and the GPU hosts' torchvision 0.26 has no such note). Moving to TorchCodec is a change of this
