@@ -284,17 +284,49 @@ def record_fault(case: str, trials: int, passed: int) -> None:
     FAULT_RESULTS.append((case, trials, passed))
 
 
+GPU_FIGURES: list[dict] = []
+"""The GPU suite's figures (tests/test_gpu.py's report()), each with the test that measured it."""
+SHOWN = ("case", "date", "gpu", "gpus", "torch", "test")
+"""A figure's fields the GPU table leaves out (the same for every row, or the row's own name)."""
+
+
+def gpu_figure(row: dict) -> None:
+    GPU_FIGURES.append({**row, "test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]})
+
+
+def gpu_table(outcomes: list[tuple[str, str]], figures: list[dict]) -> list[str]:
+    """One line per GPU case: its name, its result, and what it measured (recovery s, ratio,
+    accuracy), from the outcomes (test id, passed/failed/skipped) and the figures."""
+    def shown(v):
+        return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+    rows = []
+    for test, outcome in outcomes:
+        measured = "; ".join(", ".join(f"{k} {shown(v)}" for k, v in f.items() if k not in SHOWN) for f in figures if f["test"] == test)
+        rows.append((test.split("::")[-1].removeprefix("test_"), outcome, measured))
+    width = max([len("case"), *(len(r[0]) for r in rows)])
+    return [f"{'case'.ljust(width)}  result  figures", *(f"{c.ljust(width)}  {o:<6}  {m}" for c, o, m in rows)]
+
+
 def pytest_sessionfinish(session):
-    if hasattr(session.config, "workeroutput"):  # an xdist worker: its fault table goes to the controller
+    if hasattr(session.config, "workeroutput"):  # an xdist worker: its tables go to the controller
         session.config.workeroutput["fault_results"] = json.dumps(FAULT_RESULTS)
+        session.config.workeroutput["gpu_figures"] = json.dumps(GPU_FIGURES)
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error):
     FAULT_RESULTS.extend(tuple(r) for r in json.loads(getattr(node, "workeroutput", {}).get("fault_results", "[]")))
+    GPU_FIGURES.extend(json.loads(getattr(node, "workeroutput", {}).get("gpu_figures", "[]")))
 
 
 def pytest_terminal_summary(terminalreporter):
+    outcomes = [(r.nodeid, kind) for kind in ("passed", "failed", "skipped") for r in terminalreporter.stats.get(kind, [])
+                if getattr(r, "when", "call") in ("call", "setup") and "gpu" in getattr(r, "keywords", {})]
+    if outcomes:  # `make test-gpu`: one table at the end
+        terminalreporter.section("GPU suite")
+        for line in gpu_table(sorted(set(outcomes)), GPU_FIGURES):
+            terminalreporter.write_line(line)
     if not FAULT_RESULTS:
         return
     table: dict[str, list[int]] = {}  # a case's trials, from whichever worker ran them

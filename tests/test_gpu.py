@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BF16_DDP, ROOT, TINY, env, same_training, worker
+from conftest import BF16_DDP, ROOT, TINY, env, gpu_figure, same_training, worker
 from test_resume import check_resume
 
 GPUS = torch.cuda.device_count()
@@ -55,6 +55,7 @@ def gpu_env(**extra: str) -> dict[str, str]:
 def report(case: str, **figures) -> None:
     row = {"case": case, "date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(0), "gpus": GPUS, "torch": torch.__version__, **figures}
     print("GPU-REPORT " + json.dumps(row))
+    gpu_figure(row)  # the table at the end of the run (conftest.py)
     if os.environ.get("GPU_REPORT"):
         with open(os.environ["GPU_REPORT"], "a") as fh:
             fh.write(json.dumps(row) + "\n")
