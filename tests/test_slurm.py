@@ -192,6 +192,23 @@ def test_torchx_job_saves_before_its_time_limit_requeues_itself_and_resumes(tmp_
         subprocess.run(["scancel", job])
 
 
+def test_torchx_job_whose_time_limit_comes_before_the_first_step_is_requeued_without_a_traceback(tmp_path):
+    # the margin leaves the job 3 s after it starts: the stop lands while torchrun starts, or its
+    # workers import torch; either way nothing is lost, the job is requeued, and each says so in a line
+    job = torchx_slurm(tmp_path, "train.epochs=2000", margin_s=117)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and int(job_field(job, "Restarts") or 0) < 1:
+            time.sleep(1)
+        time.sleep(3)  # duration: the requeued job's first lines
+        err = "".join(f.read_text() for f in sorted((tmp_path / "job").glob("*.err")))
+        assert int(job_field(job, "Restarts")) >= 1, err[-3000:]
+        assert "stopped by the job's time limit" in err and "exit 75" in err, err[-3000:]
+        assert "Traceback" not in err and "Logging error" not in err, err[-3000:]
+    finally:
+        subprocess.run(["scancel", job])
+
+
 def test_torchx_job_with_bad_input_is_not_requeued_even_with_retries_left(tmp_path):
     job = torchx_slurm(tmp_path, "train.epochs=-1", max_retries=3)
     deadline = time.time() + 180

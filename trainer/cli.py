@@ -350,7 +350,7 @@ def fit_to_images(cfg, overrides: list[str], nproc: int) -> tuple[list[str], str
         changes.append(f"train.batch_size={batch}")
         said.append(f"batch {batch} ({n_train} training images)")
     if "checkpoint.dir" not in given:
-        run = Path(cfg.checkpoint.dir).parent / Path(cfg.data.dir).resolve().name
+        run = cfg.checkpoint.root.parent / Path(cfg.data.dir).resolve().name
         changes.append(f"checkpoint.dir={run}")
         said.append(f"run folder {run}")
     return changes, ", ".join(said)

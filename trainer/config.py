@@ -16,6 +16,7 @@ import difflib
 import math
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 
@@ -263,6 +264,11 @@ class DistConfig:
 class CheckpointConfig:
     dir: str = "./checkpoints"
     """Run folder: step-N checkpoints, config.yaml, metrics.jsonl and curves.png (rank 0 writes)."""
+
+    @property
+    def root(self) -> Path:
+        """The run folder as a path: what every part of the run takes (not a key of the config)."""
+        return Path(self.dir)
     every_epochs: int = 1
     """Save after every N epochs (0 = only at the end)."""
     every_steps: int = 0

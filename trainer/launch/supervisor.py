@@ -305,7 +305,7 @@ def node_cache_env(cfg: Config | None, probe: str = "torch") -> dict[str, str]:
 
     if cfg is None or not cfg.model.compile_cache:
         return {}
-    root = Path(cfg.checkpoint.dir).resolve()
+    root = cfg.checkpoint.root.resolve()
     env = {} if os.environ.get("CUDA_CACHE_PATH") else {"CUDA_CACHE_PATH": str(root / CUDA_JIT)}
     spec = importlib.util.find_spec(probe)
     bytecode = spec is None or not spec.origin or os.path.exists(importlib.util.cache_from_source(spec.origin))
@@ -429,7 +429,7 @@ def conclude(code: int, exit_dir: Path, stopped_for_usage: bool, stop: str, limi
         slurm.after(final, limit)
     code = for_launcher(final, run_dir, exit_policy())
     if stop and final == EXIT_PREEMPTED:
-        done = "; the workers saved a checkpoint" if codes else " before any worker started: nothing to save"
+        done = "" if codes else " before any worker started: nothing to save"  # the workers said what they saved
         say(f"stopped by {stop}{done}; exit {code} (run the same command to resume{resumes_from(run_dir)})")
     return code
 
@@ -461,7 +461,7 @@ def supervise(torchrun_args: list[str], poll_s: float = 0.5) -> int:
     if warning := slurm.cpu_shortfall():
         say(warning)
     cfg = worker_config(torchrun_args)  # the one parse of the workers' config in this process
-    run_dir = Path(cfg.checkpoint.dir) if cfg is not None else None
+    run_dir = cfg.checkpoint.root if cfg is not None else None
     if (error := missing_mount() or slurm.margin_problem() or exit_policy_problem() or world_range_problem(torchrun_args, cfg)) is not None:
         say(error)
         _error_file(error)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from trainer.config import Config, ConfigError
 from trainer.contract import EXIT_CRASH, record_exit, record_start, say
 from trainer.worker import crash
@@ -33,7 +31,7 @@ def train(cfg: Config, started: float) -> int:
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - a crash: one line here, the traceback in the run folder
-        line = crash.report(e, Path(cfg.checkpoint.dir), rt.rank, run.state.step if run else None, hosts, cfg.dist.timeout_s,
+        line = crash.report(e, cfg.checkpoint.root, rt.rank, run.state.step if run else None, hosts, cfg.dist.timeout_s,
                             run.watchdog.peers if run else None)
         if rt.local_rank == 0 or not crash.LOST.search(str(e)):  # a lost peer: once per node
             say(line)

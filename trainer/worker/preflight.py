@@ -18,7 +18,7 @@ def resume_from(cfg: Config) -> Path | None:
     """The checkpoint folder a start resumes from (None: a fresh start), checked: one that is named
     exists, and its model and global batch fit. ConfigError (exit 2) otherwise. Cheap: the launcher
     asks it before it downloads or decodes anything."""
-    root = Path(cfg.checkpoint.dir)
+    root = cfg.checkpoint.root
     folder = files.explicit_resume(root, cfg.checkpoint.resume)
     if cfg.checkpoint.resume == "auto":
         folder = files.newest_complete(root)
@@ -40,7 +40,7 @@ def preflight(cfg: Config) -> None:
     other run holding it. The input comes first, so its error is the same
     on every machine. Raises ConfigError (exit 2); writes nothing but the folder and its lock file."""
     check_devices(cfg, torch.cuda.is_available())
-    root = Path(cfg.checkpoint.dir)
+    root = cfg.checkpoint.root
     folder = resume_from(cfg)
     d = cfg.data
     if d.name == "shards":

@@ -272,7 +272,7 @@ def use_compile_cache(cfg: Config, rt: Runtime, fast: Fast, clock: Startup) -> t
     if not (fast.compile and cfg.model.compile_cache):
         return "off", ""
     key = compile_cache.key(cfg, rt, fast)
-    root = Path(cfg.checkpoint.dir)
+    root = cfg.checkpoint.root
     # rank 0 checks; then every rank uses it
     found = broadcast(rt, compile_cache.check(root, key) if rt.is_main else None)
     compile_cache.use(root, key)

@@ -114,7 +114,7 @@ def setup(cfg: Config) -> Runtime:
         kwargs: dict[str, Any] = {}
         if rt.backend == "nccl":
             kwargs["device_id"] = rt.device  # eager init: NCCL communicators bind to this GPU now
-            flight_recorder(Path(cfg.checkpoint.dir))
+            flight_recorder(cfg.checkpoint.root)
         dist.init_process_group(rt.backend, timeout=timedelta(seconds=cfg.dist.timeout_s), **kwargs)
     return rt
 

@@ -36,7 +36,7 @@ class Checkpointer:
 
     def __init__(self, cfg: Config, is_main: bool, async_save: bool, sharded: bool = False, say=print):
         self.cfg, self.is_main, self.say = cfg, is_main, say
-        self.root = Path(cfg.checkpoint.dir)
+        self.root = cfg.checkpoint.root
         self.parts: dict[str, Stateful] = {}
         self.async_save, self.sharded = async_save, sharded
         self.writes = is_main or sharded

@@ -121,7 +121,7 @@ def _cache_folders(cfg: Config) -> list[Path]:
     found in any of them is read (one a data step wrote beside the images too)."""
     if cfg.data.cache_dir:
         return [Path(cfg.data.cache_dir)]
-    root, own = Path(cfg.checkpoint.dir).resolve().parent, Path(cfg.checkpoint.dir) / ".data-cache"
+    root, own = cfg.checkpoint.root.resolve().parent, cfg.checkpoint.root / ".data-cache"
     beside_runs = [root / ".data-cache"] if cfg.data.name == "imagefolder" and root != root.parent else []  # not /.data-cache
     return [*beside_runs, Path(cfg.data.dir), own]
 
