@@ -95,8 +95,9 @@ $(BIN)/podman-compose: $(BIN)/.installed
 scorecard: ## the codebase's scorecard (code lines, long functions, import cycles ...)
 	$(PYTHON) tests/scorecard.py
 
-lint: venv ## ruff, hadolint and shellcheck
-	$(BIN)/ruff check trainer tests k8s
+lint: venv ## ruff (the house style: ruff format, 120 columns), hadolint and shellcheck
+	$(BIN)/ruff check trainer tests bench k8s
+	$(BIN)/ruff format --check trainer tests bench k8s
 	$(BIN)/hadolint Dockerfile
 	$(BIN)/shellcheck -x slurm/*.sh tests/slurm/*.sh tests/container/*.sh bench/*.sh .ci/run
 

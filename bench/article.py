@@ -97,8 +97,13 @@ def main() -> None:
     seconds = time.perf_counter() - t0
     images = args.steps * 64 * (world if args.mode == "ddp" else 1)
     gpus = {"ddp": world, "dp": torch.cuda.device_count()}.get(args.mode, 1)
-    result = {"run": f"article-{args.mode}", "gpus": gpus, "batch_per_gpu": 64 / gpus if args.mode == "dp" else 64,
-              "images_per_s": images / seconds, "first_step_s": first}
+    result = {
+        "run": f"article-{args.mode}",
+        "gpus": gpus,
+        "batch_per_gpu": 64 / gpus if args.mode == "dp" else 64,
+        "images_per_s": images / seconds,
+        "first_step_s": first,
+    }
     if rank == 0:
         print(json.dumps(result), flush=True)
         out = args.out or os.environ.get("BENCH_OUT")

@@ -29,8 +29,18 @@ import time
 from multiprocessing import Pool
 from pathlib import Path
 
-MODEL = ["model.name=resnet50", "data.image_size=224", "train.batch_size=256", "train.epochs=2", "train.log_every=5", "train.plot=false",
-         "train.tensorboard=false", "checkpoint.every_epochs=0", "optim.lr=0.1", "data.eval_batch_size=256"]
+MODEL = [
+    "model.name=resnet50",
+    "data.image_size=224",
+    "train.batch_size=256",
+    "train.epochs=2",
+    "train.log_every=5",
+    "train.plot=false",
+    "train.tensorboard=false",
+    "checkpoint.every_epochs=0",
+    "optim.lr=0.1",
+    "data.eval_batch_size=256",
+]
 
 
 def _upscale(item: tuple[str, bytes, str, bool]) -> None:
@@ -49,7 +59,8 @@ def _upscale(item: tuple[str, bytes, str, bool]) -> None:
 
 def make_set(cifar: Path, root: Path, images: int, test: int = 1024, photo: bool = False) -> None:
     """CIFAR-10's first ``images`` train and ``test`` test JPEGs (round robin over classes), upscaled to
-    256 px (or photo-like, see the module's docstring). Each tarball is read once, in order: a member taken out of a gzip stream out of order
+    256 px (or photo-like, see the module's docstring). Each tarball is read once, in order: a member taken out of a
+    gzip stream out of order
     decompresses it again from the start (a 20,000-image set took minutes that way)."""
     jobs = []
     for split, n in (("train", images), ("test", test)):
@@ -58,7 +69,9 @@ def make_set(cifar: Path, root: Path, images: int, test: int = 1024, photo: bool
             for m in tar:
                 if m.isfile() and m.name.endswith(".jpg"):
                     by_class.setdefault(Path(m.name).parts[-2], []).append((m.name, tar.extractfile(m).read()))
-        picked = [by_class[c][i] for i in range(n // len(by_class) + 1) for c in sorted(by_class) if i < len(by_class[c])][:n]
+        picked = [
+            by_class[c][i] for i in range(n // len(by_class) + 1) for c in sorted(by_class) if i < len(by_class[c])
+        ][:n]
         for name, raw in picked:
             out = root / split / Path(name).parts[-2] / Path(name).name
             out.parent.mkdir(parents=True, exist_ok=True)
@@ -81,7 +94,9 @@ def times16(shards: Path, out: Path) -> None:
         r["shard"] += k * n
         copies.append(r)
     np.save(out / "train.offsets.npy", np.concatenate(copies))
-    (out / "train.json").write_text(json.dumps(dict(index, images=index["images"] * 16, shardlist=index["shardlist"] * 16)))
+    (out / "train.json").write_text(
+        json.dumps(dict(index, images=index["images"] * 16, shardlist=index["shardlist"] * 16))
+    )
     for f in shards.iterdir():
         if f.suffix == ".tar" and not (out / f.name).exists():
             (out / f.name).symlink_to(f.resolve())
@@ -112,7 +127,12 @@ def peak_memory(cmd: list[str]) -> dict:
         file = max(file, sum(field(q.pid, "RssFile") for q in tree))
         time.sleep(0.2)
     err = p.stderr.read() if p.stderr else ""
-    return {"rc": p.returncode, "peak_anonymous_MB": round(anon), "peak_file_backed_MB": round(file), "tail": err[-600:] if p.returncode else ""}
+    return {
+        "rc": p.returncode,
+        "peak_anonymous_MB": round(anon),
+        "peak_file_backed_MB": round(file),
+        "tail": err[-600:] if p.returncode else "",
+    }
 
 
 def memory(shards: Path, tmp: Path) -> list[dict]:
@@ -122,9 +142,24 @@ def memory(shards: Path, tmp: Path) -> list[dict]:
     rows = []
     for name, folder in (("x1", shards), ("x16", tmp / "x16")):
         # data.image_size=32: tinynet's size, whatever the shards' images are (the workers decode them whole)
-        cmd = [sys.executable, "-m", "trainer", "train", "--config", "configs/smoke.yaml", "data.name=shards", f"data.dir={folder}",
-               "data.image_size=32", "data.loader=stream", "train.max_steps=60", "train.batch_size=256", "data.stream_workers=2", f"checkpoint.dir={tmp / name}",
-               "train.plot=false", "train.tensorboard=false"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "trainer",
+            "train",
+            "--config",
+            "configs/smoke.yaml",
+            "data.name=shards",
+            f"data.dir={folder}",
+            "data.image_size=32",
+            "data.loader=stream",
+            "train.max_steps=60",
+            "train.batch_size=256",
+            "data.stream_workers=2",
+            f"checkpoint.dir={tmp / name}",
+            "train.plot=false",
+            "train.tensorboard=false",
+        ]
         rows.append({"case": f"streamed-memory-{name}", **peak_memory(cmd)})
     return rows
 
@@ -137,19 +172,40 @@ def trainer_run(name: str, args: list[str], out: Path) -> dict:
     shutil.rmtree(ck, ignore_errors=True)  # a run of the same case before would be resumed, finished
     t0 = time.time()
     # a wrapper process, so that the peak RSS read is this run's (its largest process, workers included)
-    wrap = "import resource,subprocess,sys; subprocess.run(sys.argv[1:]); print('RSS_MB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024)"
-    p = subprocess.run([sys.executable, "-c", wrap, sys.executable, "-m", "trainer", "train", *MODEL, f"checkpoint.dir={ck}", *args],
-                       capture_output=True, text=True)
+    wrap = (
+        "import resource,subprocess,sys; subprocess.run(sys.argv[1:]); "
+        "print('RSS_MB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024)"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", wrap, sys.executable, "-m", "trainer", "train", *MODEL, f"checkpoint.dir={ck}", *args],
+        capture_output=True,
+        text=True,
+    )
     (out / f"{name}.log").write_text(p.stdout + p.stderr)
-    rows = [json.loads(line) for line in (ck / "metrics.jsonl").read_text().splitlines()] if (ck / "metrics.jsonl").exists() else []
+    rows = (
+        [json.loads(line) for line in (ck / "metrics.jsonl").read_text().splitlines()]
+        if (ck / "metrics.jsonl").exists()
+        else []
+    )
     logs = [r for r in rows if r.get("event") == "log" and r.get("epoch") == 1]
     logs = logs[len(logs) // 2 :]  # an epoch starts on up to workers x 2 batches read ahead: not the steady pace
     rate = (logs[-1]["step"] - logs[0]["step"]) * 256 / (logs[-1]["time"] - logs[0]["time"]) if len(logs) > 1 else None
     epoch = next((r for r in rows if r.get("event") == "epoch" and r.get("epoch") == 1), {})
-    share = epoch.get("data_ms_per_step", 0) / max(1e-9, epoch.get("data_ms_per_step", 0) + epoch.get("step_ms_per_step", 0)) if epoch else None
-    return {"case": name, "rc": p.returncode, "images_per_s": round(rate) if rate else None, "data_share": share,
-            "max_rss_MB": float(p.stdout.split("RSS_MB")[-1]) if "RSS_MB" in p.stdout else None, "wall_s": round(time.time() - t0, 1),
-            "tail": (p.stdout + p.stderr)[-600:] if p.returncode else ""}
+    share = (
+        epoch.get("data_ms_per_step", 0)
+        / max(1e-9, epoch.get("data_ms_per_step", 0) + epoch.get("step_ms_per_step", 0))
+        if epoch
+        else None
+    )
+    return {
+        "case": name,
+        "rc": p.returncode,
+        "images_per_s": round(rate) if rate else None,
+        "data_share": share,
+        "max_rss_MB": float(p.stdout.split("RSS_MB")[-1]) if "RSS_MB" in p.stdout else None,
+        "wall_s": round(time.time() - t0, 1),
+        "tail": (p.stdout + p.stderr)[-600:] if p.returncode else "",
+    }
 
 
 def reference_loader(root: Path):
@@ -159,10 +215,25 @@ def reference_loader(root: Path):
     import torchvision
     from torchvision import transforms as T
 
-    tf = T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))])
+    tf = T.Compose(
+        [
+            T.RandomResizedCrop(224),
+            T.RandomHorizontalFlip(),
+            T.ToTensor(),
+            T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
+        ]
+    )
     workers = len(os.sched_getaffinity(0)) - 1
-    loader = torch.utils.data.DataLoader(torchvision.datasets.ImageFolder(str(root / "train"), tf), batch_size=256, shuffle=True,
-                                         num_workers=workers, pin_memory=True, drop_last=True, persistent_workers=True, prefetch_factor=4)
+    loader = torch.utils.data.DataLoader(
+        torchvision.datasets.ImageFolder(str(root / "train"), tf),
+        batch_size=256,
+        shuffle=True,
+        num_workers=workers,
+        pin_memory=True,
+        drop_last=True,
+        persistent_workers=True,
+        prefetch_factor=4,
+    )
     return loader, workers
 
 
@@ -200,7 +271,8 @@ def reference(root: Path, steps: int) -> dict:
 
 def loader_alone(shards: Path, root: Path, steps: int) -> list[dict]:
     """Each feed without the model: batches of 256 on the GPU, normalised float (ours: CPU workers
-    and GPU decode; the reference: its DataLoader's tensors copied over). Steady images/s: past the batches read ahead, then ten
+    and GPU decode; the reference: its DataLoader's tensors copied over). Steady images/s: past the batches read ahead,
+    then ten
     more."""
     import torch
 
@@ -220,19 +292,38 @@ def loader_alone(shards: Path, root: Path, steps: int) -> list[dict]:
 
     rows = []
     for decode in ("cpu", "gpu"):
-        cfg = load_config(None, ["data.name=shards", f"data.dir={shards}", "data.image_size=224", "train.batch_size=256",
-                                 f"data.decode={decode}", "train.strategy=single", "checkpoint.dir=/tmp/unused"])
+        cfg = load_config(
+            None,
+            [
+                "data.name=shards",
+                f"data.dir={shards}",
+                "data.image_size=224",
+                "train.batch_size=256",
+                f"data.decode={decode}",
+                "train.strategy=single",
+                "checkpoint.dir=/tmp/unused",
+            ],
+        )
         rt = setup(cfg)
         try:
-            loader = StreamLoader(Streamed(shards, "train"), cfg, rt, 256, Augment(cfg, rt, True, 256, 1), decode == "gpu")
+            loader = StreamLoader(
+                Streamed(shards, "train"), cfg, rt, 256, Augment(cfg, rt, True, 256, 1), decode == "gpu"
+            )
             batches = (x for e in range(1000) for x, _, _ in loader.epoch(e))
-            rows.append({"case": f"ours-{decode}-decode-loader-alone", "images_per_s": round(rate(batches, 2 * loader.loader_args["num_workers"])),
-                         "workers": loader.loader_args["num_workers"]})
+            rows.append(
+                {
+                    "case": f"ours-{decode}-decode-loader-alone",
+                    "images_per_s": round(rate(batches, 2 * loader.loader_args["num_workers"])),
+                    "workers": loader.loader_args["num_workers"],
+                }
+            )
         finally:
             teardown()
     loader, workers = reference_loader(root)
     batches = (x.cuda(non_blocking=True) for _ in range(1000) for x, _ in loader)
-    rows.append({"case": "reference-loader-alone", "images_per_s": round(rate(batches, 4 * workers)), "workers": workers})
+    rows.append(
+        {"case": "reference-loader-alone", "images_per_s": round(rate(batches, 4 * workers)), "workers": workers}
+    )
     return rows
 
 
@@ -252,7 +343,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--images", type=int, default=25600)
     p.add_argument("--steps", type=int, default=100, help="the reference loader's timed steps")
     p.add_argument("--photo", action="store_true", help="500x375 images of about 100 KB (default: 256 px, 12 KB)")
-    p.add_argument("--cases", default="", help="some cases, comma-separated (loader-alone: the three feeds without the model)")
+    p.add_argument(
+        "--cases", default="", help="some cases, comma-separated (loader-alone: the three feeds without the model)"
+    )
     a = p.parse_args(argv)
     return report(run(a.out, a.cifar, a.images, a.steps, a.photo, tuple(filter(None, a.cases.split(",")))))
 
@@ -272,7 +365,9 @@ def report(rows) -> int:
     return 0
 
 
-def run(out: Path, cifar: Path, images: int = 25600, steps: int = 100, photo: bool = False, only: tuple[str, ...] = ()) -> list[dict]:
+def run(
+    out: Path, cifar: Path, images: int = 25600, steps: int = 100, photo: bool = False, only: tuple[str, ...] = ()
+) -> list[dict]:
     """Every case of the suite (or those named in ``only``); the rows, also written to OUT/data-bench.json."""
     a = argparse.Namespace(out=out, cifar=cifar, images=images, steps=steps)
     a.out.mkdir(parents=True, exist_ok=True)
@@ -281,17 +376,39 @@ def run(out: Path, cifar: Path, images: int = 25600, steps: int = 100, photo: bo
     if not (root / "test").is_dir():
         make_set(a.cifar, root, a.images, photo=photo)
     made = time.time() - t0
-    subprocess.run([sys.executable, "-m", "trainer", "data", "--shards", str(shards), "data.name=imagefolder", f"data.dir={root}"], check=True)
+    subprocess.run(
+        [sys.executable, "-m", "trainer", "data", "--shards", str(shards), "data.name=imagefolder", f"data.dir={root}"],
+        check=True,
+    )
     sized = json.loads((shards / "train.json").read_text())
     times16(shards, a.out / "x16")
     steps = []  # two epochs of the set
-    rows = [{"case": "set", "photo": photo, "images": a.images, "made_s": round(made, 1), "shard_bytes": sum(s["filesize"] for s in sized["shardlist"])}]
-    cases = [("ours-shards-cpu-decode", ["data.name=shards", f"data.dir={shards}", "data.loader=stream", *steps]),
-             ("ours-shards-gpu-decode", ["data.name=shards", f"data.dir={shards}", "data.loader=stream", "data.decode=gpu", *steps]),
-             # the ceiling: the same model on synthetic images already on the GPU (a small set: only the step is timed)
-             ("ceiling-synthetic-on-gpu", ["data.name=synthetic", "data.synthetic_train_size=12800", "data.synthetic_test_size=256", *steps]),
-             ("ours-shards-x16", ["data.name=shards", f"data.dir={a.out / 'x16'}", "data.loader=stream", *steps]),
-             ("ours-shards-x16-gpu-decode", ["data.name=shards", f"data.dir={a.out / 'x16'}", "data.loader=stream", "data.decode=gpu", *steps])]
+    rows = [
+        {
+            "case": "set",
+            "photo": photo,
+            "images": a.images,
+            "made_s": round(made, 1),
+            "shard_bytes": sum(s["filesize"] for s in sized["shardlist"]),
+        }
+    ]
+    cases = [
+        ("ours-shards-cpu-decode", ["data.name=shards", f"data.dir={shards}", "data.loader=stream", *steps]),
+        (
+            "ours-shards-gpu-decode",
+            ["data.name=shards", f"data.dir={shards}", "data.loader=stream", "data.decode=gpu", *steps],
+        ),
+        # the ceiling: the same model on synthetic images already on the GPU (a small set: only the step is timed)
+        (
+            "ceiling-synthetic-on-gpu",
+            ["data.name=synthetic", "data.synthetic_train_size=12800", "data.synthetic_test_size=256", *steps],
+        ),
+        ("ours-shards-x16", ["data.name=shards", f"data.dir={a.out / 'x16'}", "data.loader=stream", *steps]),
+        (
+            "ours-shards-x16-gpu-decode",
+            ["data.name=shards", f"data.dir={a.out / 'x16'}", "data.loader=stream", "data.decode=gpu", *steps],
+        ),
+    ]
     for name, args in cases:
         if only and name not in only:
             continue
@@ -371,21 +488,39 @@ def decode_parts(cifar: Path, n: int = 256, repeat: int = 10) -> list[dict]:
 
     rows = [{"case": "set", "images": n, "mean_bytes": flat.numel() // n, "shape": list(decode_jpeg(raws[0]).shape)}]
     rows.append({"case": "gpu-decode-list", "ms": ms(lambda: decode_jpeg(raws, mode=ImageReadMode.RGB, device=dev))})
-    rows.append({"case": "gpu-decode-views-of-one-buffer", "ms": ms(lambda: decode_jpeg(views, mode=ImageReadMode.RGB, device=dev))})
+    rows.append(
+        {
+            "case": "gpu-decode-views-of-one-buffer",
+            "ms": ms(lambda: decode_jpeg(views, mode=ImageReadMode.RGB, device=dev)),
+        }
+    )
     imgs = decode_jpeg(raws, mode=ImageReadMode.RGB, device=dev)
     at, mirror = boxes(imgs, 224, u, True)
+
     def per_image(im, box, flip):  # the crop each image had on the GPU before crop_batch
-        x = F.interpolate(im[:, box[0] : box[0] + box[2], box[1] : box[1] + box[3]].unsqueeze(0).float(), size=(224, 224), mode="bilinear",
-                          antialias=True, align_corners=False)[0]
+        x = F.interpolate(
+            im[:, box[0] : box[0] + box[2], box[1] : box[1] + box[3]].unsqueeze(0).float(),
+            size=(224, 224),
+            mode="bilinear",
+            antialias=True,
+            align_corners=False,
+        )[0]
         return x.flip(2) if flip else x
 
-    rows.append({"case": "gpu-crop-resize-per-image", "ms": ms(lambda: torch.stack([per_image(im, at[j], mirror[j]) for j, im in enumerate(imgs)]))})
+    rows.append(
+        {
+            "case": "gpu-crop-resize-per-image",
+            "ms": ms(lambda: torch.stack([per_image(im, at[j], mirror[j]) for j, im in enumerate(imgs)])),
+        }
+    )
     rows.append({"case": "gpu-boxes", "ms": ms(lambda: boxes(imgs, 224, u, True))})
 
     def roi(dtype):
         x = torch.stack(imgs).to(dtype)
         b = torch.tensor(at, dtype=torch.float, device=dev)
-        rois = torch.stack([torch.arange(n, device=dev, dtype=torch.float), b[:, 1], b[:, 0], b[:, 1] + b[:, 3], b[:, 0] + b[:, 2]], 1)
+        rois = torch.stack(
+            [torch.arange(n, device=dev, dtype=torch.float), b[:, 1], b[:, 0], b[:, 1] + b[:, 3], b[:, 0] + b[:, 2]], 1
+        )
         out = torchvision.ops.roi_align(x, rois.to(dtype), 224, 1.0, -1, True)
         m = torch.tensor(mirror, device=dev)
         return torch.where(m[:, None, None, None], out.flip(3), out)
@@ -395,8 +530,12 @@ def decode_parts(cifar: Path, n: int = 256, repeat: int = 10) -> list[dict]:
     ref = torch.stack([per_image(im, at[j], mirror[j]) for j, im in enumerate(imgs)])
     rows.append({"case": "gpu-crop-batch", "ms": ms(lambda: crop_batch(imgs, at, mirror, 224))})
     views = [v.pin_memory() for v in views]
-    rows.append({"case": "gpu-decode-pinned-views", "ms": ms(lambda: decode_jpeg(views, mode=ImageReadMode.RGB, device=dev))})
-    rows.append({"case": "roi-vs-interpolate-mean-abs", "levels": round((roi(torch.float) - ref).abs().mean().item(), 3)})
+    rows.append(
+        {"case": "gpu-decode-pinned-views", "ms": ms(lambda: decode_jpeg(views, mode=ImageReadMode.RGB, device=dev))}
+    )
+    rows.append(
+        {"case": "roi-vs-interpolate-mean-abs", "levels": round((roi(torch.float) - ref).abs().mean().item(), 3)}
+    )
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     for r in raws[:64]:

@@ -14,9 +14,26 @@ from pathlib import Path
 import psutil
 
 data, ckpt, extra = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
-cmd = [sys.executable, "-m", "trainer", "launch", "--nproc-per-node", "2", "--config", "configs/default.yaml", "data.name=imagefolder",
-       f"data.dir={data}", "data.cache_dir=/dev/shm/cache", "train.epochs=3", "train.log_every=25", "train.plot=false",
-       "dist.timeout_s=30", "model.compile=false", f"checkpoint.dir={ckpt}", *extra]
+cmd = [
+    sys.executable,
+    "-m",
+    "trainer",
+    "launch",
+    "--nproc-per-node",
+    "2",
+    "--config",
+    "configs/default.yaml",
+    "data.name=imagefolder",
+    f"data.dir={data}",
+    "data.cache_dir=/dev/shm/cache",
+    "train.epochs=3",
+    "train.log_every=25",
+    "train.plot=false",
+    "dist.timeout_s=30",
+    "model.compile=false",
+    f"checkpoint.dir={ckpt}",
+    *extra,
+]
 agent = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
 t0 = None
 for line in agent.stdout:

@@ -62,8 +62,16 @@ def allreduce() -> None:
         s = timed(lambda t=t: dist.all_reduce(t), reps=10)
         size = numel * t.element_size()
         if rank == 0:
-            emit({"run": "allreduce", "dtype": str(dtype).split(".")[-1], "bytes": size, "ms": s * 1e3,
-                  "algbw_GBps": size / s / 1e9, "busbw_GBps": size / s / 1e9 * 2 * (world - 1) / world})
+            emit(
+                {
+                    "run": "allreduce",
+                    "dtype": str(dtype).split(".")[-1],
+                    "bytes": size,
+                    "ms": s * 1e3,
+                    "algbw_GBps": size / s / 1e9,
+                    "busbw_GBps": size / s / 1e9 * 2 * (world - 1) / world,
+                }
+            )
     dist.destroy_process_group()
 
 
@@ -79,9 +87,18 @@ def started(args: list[str], name: str):
     config = args[0] if args and args[0].endswith(".yaml") else "configs/seed.yaml"
     overrides = args[1:] if args and args[0].endswith(".yaml") else args
     folder = tempfile.mkdtemp(prefix=f"{name}-", dir=os.environ.get("BENCH_TMP"))
-    cfg = load_config(config, ["data.name=synthetic", "data.synthetic_train_size=4096",
-                               "checkpoint.every_epochs=0", f"checkpoint.dir={folder}",
-                               "checkpoint.async_save=true", "train.plot=false", *overrides])
+    cfg = load_config(
+        config,
+        [
+            "data.name=synthetic",
+            "data.synthetic_train_size=4096",
+            "checkpoint.every_epochs=0",
+            f"checkpoint.dir={folder}",
+            "checkpoint.async_save=true",
+            "train.plot=false",
+            *overrides,
+        ],
+    )
     run = build(cfg, setup(cfg))
     trainer = Trainer(run)
     trainer.start()
@@ -120,9 +137,18 @@ def stall(args: list[str]) -> None:
     trainer.save(sync=True)
     sync_stall = time.perf_counter() - t0
     _, state_bytes = newest_bytes(Path(cfg.checkpoint.dir))  # what a save writes
-    emit({"run": "checkpoint-stall", "config": config, "model": cfg.model.name, "state_GB": state_bytes / 1e9,
-          "async_stall_s": async_stall, "sync_stall_s": sync_stall, "step_ms": base * 1e3,
-          "step_ms_during_write": during * 1e3})
+    emit(
+        {
+            "run": "checkpoint-stall",
+            "config": config,
+            "model": cfg.model.name,
+            "state_GB": state_bytes / 1e9,
+            "async_stall_s": async_stall,
+            "sync_stall_s": sync_stall,
+            "step_ms": base * 1e3,
+            "step_ms_during_write": during * 1e3,
+        }
+    )
 
 
 def restore(args: list[str], reps: int = 3) -> None:
@@ -153,8 +179,15 @@ def restore(args: list[str], reps: int = 3) -> None:
         seconds.append(time.perf_counter() - t0)
     shutil.rmtree(cfg.checkpoint.dir, ignore_errors=True)
     pstats.Stats(profile, stream=sys.stdout).sort_stats("cumulative").print_stats(20)
-    emit({"run": "checkpoint-restore", "config": config, "model": cfg.model.name, "state_GB": state_bytes / 1e9,
-          "restore_s": [round(s, 4) for s in seconds]})
+    emit(
+        {
+            "run": "checkpoint-restore",
+            "config": config,
+            "model": cfg.model.name,
+            "state_GB": state_bytes / 1e9,
+            "restore_s": [round(s, 4) for s in seconds],
+        }
+    )
 
 
 def augment() -> None:
@@ -177,5 +210,10 @@ def augment() -> None:
 
 if __name__ == "__main__":
     what = sys.argv[1]
-    {"matmul": matmul, "allreduce": allreduce, "stall": lambda: stall(sys.argv[2:]), "restore": lambda: restore(sys.argv[2:]),
-     "augment": augment}[what]()
+    {
+        "matmul": matmul,
+        "allreduce": allreduce,
+        "stall": lambda: stall(sys.argv[2:]),
+        "restore": lambda: restore(sys.argv[2:]),
+        "augment": augment,
+    }[what]()

@@ -1,6 +1,7 @@
 """trainer predict and trainer export, timed as a user runs them (BENCHMARKS.md, "Predict and export").
 
-    python -m bench.predict OUT --cifar DIR [--images 10240] [--batch 256] [--workers 8] [--before TREE] [--predict-only]
+    python -m bench.predict OUT --cifar DIR [--images 10240] [--batch 256] [--workers 8] [--before TREE]
+    [--predict-only]
 
 Makes ``--images`` photo-like JPEGs (500x375, about 100 KB: bench/data.py's) from the CIFAR-10
 tarballs in DIR, and a ResNet-50 with random weights as a safetensors export (real ImageNet weights
@@ -26,12 +27,13 @@ import sys
 import time
 from pathlib import Path
 
-PLAIN = r'''
+PLAIN = r"""
 import sys, time, torch, torchvision
 from torchvision import transforms as T
 from safetensors.torch import load_file
 root, weights, batch, workers = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-tf = T.Compose([T.Resize(256), T.CenterCrop(224), T.ToTensor(), T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])])
+mean, std = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+tf = T.Compose([T.Resize(256), T.CenterCrop(224), T.ToTensor(), T.Normalize(mean, std)])
 data = torchvision.datasets.ImageFolder(root, tf)
 loader = torch.utils.data.DataLoader(data, batch_size=batch, num_workers=workers, pin_memory=True)
 model = torchvision.models.resnet50(num_classes=10)
@@ -43,7 +45,7 @@ with torch.no_grad():
     for x, _ in loader:
         top.append(model(x.to(dev, non_blocking=True)).softmax(1).topk(5).indices.cpu())
 print(sum(len(t) for t in top))
-'''
+"""
 
 
 def timed(cmd: list[str], **kw) -> tuple[float, subprocess.CompletedProcess]:
@@ -93,8 +95,13 @@ def runtime_rates(onnx_file: Path, batch: int = 32, repeat: int = 5) -> dict:
         t0 = time.perf_counter()
         for _ in range(repeat):
             model(torch.from_numpy(x))
-    return {"case": "cpu runtimes, resnet50 224 px", "batch": batch, "threads": torch.get_num_threads(),
-            "onnxruntime_images_per_s": round(ort_rate, 1), "pytorch_images_per_s": round(batch * repeat / (time.perf_counter() - t0), 1)}
+    return {
+        "case": "cpu runtimes, resnet50 224 px",
+        "batch": batch,
+        "threads": torch.get_num_threads(),
+        "onnxruntime_images_per_s": round(ort_rate, 1),
+        "pytorch_images_per_s": round(batch * repeat / (time.perf_counter() - t0), 1),
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -121,26 +128,70 @@ def main(argv: list[str]) -> int:
     # Python's bytecode cache where the installed one cannot be written (a read-only or --no-compile
     # install: every command then compiled torch's imports, 11 s on the GPU host), as a pip-installed
     # venv has it; written once here, before the clock, for both scripts' imports.
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPYCACHEPREFIX": os.environ.get("PYTHONPYCACHEPREFIX", str(a.out / "pycache"))}
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPYCACHEPREFIX": os.environ.get("PYTHONPYCACHEPREFIX", str(a.out / "pycache")),
+    }
     env.pop("PYTHONDONTWRITEBYTECODE", None)
-    timed([sys.executable, "-c", "import torch, torchvision, safetensors.torch, trainer.cli, trainer.worker.predict"], env=env)
+    timed(
+        [sys.executable, "-c", "import torch, torchvision, safetensors.torch, trainer.cli, trainer.worker.predict"],
+        env=env,
+    )
     cases = ["plain", "predict"] + (["before"] if a.before else [])
     for case in cases * 2:  # each twice, taking turns: the page cache warm for all
         if case == "plain":
-            took, q = timed([sys.executable, "-c", PLAIN, str(folder), str(weights), str(a.batch), str(a.workers)], env=env)
+            took, q = timed(
+                [sys.executable, "-c", PLAIN, str(folder), str(weights), str(a.batch), str(a.workers)], env=env
+            )
             assert q.stdout.strip() == str(n), q.stdout
         else:
             tree = a.before.resolve() if case == "before" else Path.cwd()
-            took, q = timed([*trainer, "predict", str(weights), str(folder), "--batch-size", str(a.batch), "-q", "--out", str(a.out / "p.jsonl")],
-                            env={**env, "PYTHONPATH": os.pathsep.join([str(tree), env.get("PYTHONPATH", "")])}, cwd=tree)
+            took, q = timed(
+                [
+                    *trainer,
+                    "predict",
+                    str(weights),
+                    str(folder),
+                    "--batch-size",
+                    str(a.batch),
+                    "-q",
+                    "--out",
+                    str(a.out / "p.jsonl"),
+                ],
+                env={**env, "PYTHONPATH": os.pathsep.join([str(tree), env.get("PYTHONPATH", "")])},
+                cwd=tree,
+            )
             assert f"{n} image(s) predicted" in q.stderr, q.stderr
-        print(json.dumps({"case": f"{case}, resnet50 224 px, photo-like JPEGs", "images": n, "batch": a.batch, "workers": a.workers,
-                          "seconds": round(took, 2), "images_per_s": round(n / took, 1)}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "case": f"{case}, resnet50 224 px, photo-like JPEGs",
+                    "images": n,
+                    "batch": a.batch,
+                    "workers": a.workers,
+                    "seconds": round(took, 2),
+                    "images_per_s": round(n / took, 1),
+                }
+            ),
+            flush=True,
+        )
     if a.predict_only:
         return 0
     for fmt in ("onnx", "pt2"):
-        took, q = timed([*trainer, "export", str(weights), "--format", fmt, "--out", str(a.out / f"resnet50.{fmt}")], env=env)
-        print(json.dumps({"case": f"export {fmt}, resnet50", "command_s": round(took, 2), "line": q.stderr.strip().splitlines()[-1]}), flush=True)
+        took, q = timed(
+            [*trainer, "export", str(weights), "--format", fmt, "--out", str(a.out / f"resnet50.{fmt}")], env=env
+        )
+        print(
+            json.dumps(
+                {
+                    "case": f"export {fmt}, resnet50",
+                    "command_s": round(took, 2),
+                    "line": q.stderr.strip().splitlines()[-1],
+                }
+            ),
+            flush=True,
+        )
     print(json.dumps(runtime_rates(a.out / "resnet50.onnx")), flush=True)
     return 0
 

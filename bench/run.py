@@ -40,8 +40,13 @@ from pathlib import Path
 from trainer.contract import COMMAND_START_ENV
 
 SEEDNET_FLOP = 128.1e9  # per image per training step (6 x 21.35 G multiply-adds)
-PLAIN = ["train.precision=fp32", "model.compile=false", "model.channels_last=false", "data.device_resident=false",
-         "optim.impl=loop"]
+PLAIN = [
+    "train.precision=fp32",
+    "model.compile=false",
+    "model.channels_last=false",
+    "data.device_resident=false",
+    "optim.impl=loop",
+]
 
 
 # Each row turns one part of configs/fast.yaml off (or one thing on), against the recipe as shipped
@@ -75,14 +80,24 @@ def read_jsonl(path: Path) -> list[dict]:
 def cmd_for(gpus: int, module: str, args: list[str]) -> list[str]:
     if gpus == 1:
         return [sys.executable, "-m", module, *args]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
-            "-m", module, *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={gpus}",
+        "-m",
+        module,
+        *args,
+    ]
 
 
 def run_case(name: str, cmd: list[str], out: Path, timeout: int, env: dict | None = None) -> tuple[int, str]:
     t0 = time.time()
     # the cases' modules (bench.micro ...) are the repository's, not the installed package's
-    path = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")]))
+    path = os.pathsep.join(
+        filter(None, [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")])
+    )
     e = {**os.environ, "BENCH_OUT": str(out / "results.jsonl"), "PYTHONPATH": path, **(env or {})}
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=e)
@@ -126,12 +141,23 @@ def node_files(volume: Path) -> list[Path]:
     wheels: gigabytes) and the job's volume."""
     import sysconfig
 
-    return [Path(sysconfig.get_paths()["stdlib"]), Path(sysconfig.get_paths()["purelib"]),
-            Path(sysconfig.get_paths()["platlib"]), volume]
+    return [
+        Path(sysconfig.get_paths()["stdlib"]),
+        Path(sysconfig.get_paths()["purelib"]),
+        Path(sysconfig.get_paths()["platlib"]),
+        volume,
+    ]
 
 
-def restart_pair(tmp: Path, gpus: int, config: str, data: str, logs: Path | None = None, steps: int = 2,
-                 node_env: dict[str, dict[str, str]] | None = None) -> tuple[dict, dict]:
+def restart_pair(
+    tmp: Path,
+    gpus: int,
+    config: str,
+    data: str,
+    logs: Path | None = None,
+    steps: int = 2,
+    node_env: dict[str, dict[str, str]] | None = None,
+) -> tuple[dict, dict]:
     """A start as a user feels it, from the `trainer launch` command to the first training step:
     cold (a fresh node: empty HOME and TMPDIR, so no inductor, Triton or CUDA caches; an empty
     volume), then warm (another fresh node, the same volume: the checkpoint and the compile cache).
@@ -147,10 +173,23 @@ def restart_pair(tmp: Path, gpus: int, config: str, data: str, logs: Path | None
         (home / "tmp").mkdir(parents=True)
         env = {k: v for k, v in os.environ.items() if k not in NODE_CACHES}
         env.update(HOME=str(home), TMPDIR=str(home / "tmp"), **(node_env or {}).get(node, {}))
-        cmd = [sys.executable, "-m", "trainer", "launch", "--nproc-per-node", str(gpus), "--config", config,
-               "data.name=imagefolder", f"data.dir={data}", f"data.cache_dir={volume / 'data-cache'}",
-               f"checkpoint.dir={volume / 'ck'}", f"train.max_steps={max_steps}", "train.plot=false",
-               "checkpoint.every_steps=1"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "trainer",
+            "launch",
+            "--nproc-per-node",
+            str(gpus),
+            "--config",
+            config,
+            "data.name=imagefolder",
+            f"data.dir={data}",
+            f"data.cache_dir={volume / 'data-cache'}",
+            f"checkpoint.dir={volume / 'ck'}",
+            f"train.max_steps={max_steps}",
+            "train.plot=false",
+            "checkpoint.every_steps=1",
+        ]
         evicted = evict_page_cache(*node_files(volume))  # a fresh node's page cache holds none of them
         t0 = time.time()
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
@@ -162,10 +201,14 @@ def restart_pair(tmp: Path, gpus: int, config: str, data: str, logs: Path | None
         if p.returncode or not first:
             return {"exit": p.returncode, "output": "\n".join((p.stdout + p.stderr).strip().splitlines()[-30:])}
         f = first[-1]
-        return {"exit": 0, "command_to_first_step_s": f.get("since_command_s") or round(f["time"] - t0, 3),
-                "worker_first_step_s": f["seconds"], "wall_s": round(time.time() - t0, 1),
-                "evicted_GB": round(evicted / 1e9, 2),
-                **{k: f.get(k) for k in ("compile_cache", "startup_s", "compile_s", "graph_cache")}}
+        return {
+            "exit": 0,
+            "command_to_first_step_s": f.get("since_command_s") or round(f["time"] - t0, 3),
+            "worker_first_step_s": f["seconds"],
+            "wall_s": round(time.time() - t0, 1),
+            "evicted_GB": round(evicted / 1e9, 2),
+            **{k: f.get(k) for k in ("compile_cache", "startup_s", "compile_s", "graph_cache")},
+        }
 
     try:
         cold = start("cold", steps)
@@ -191,27 +234,56 @@ class Bench:
     def ours(self, name: str, gpus: int, batch_per_gpu: int, extra: list[str], steps: int = 60) -> None:
         """Our trainer on synthetic data; steady images/s from the log windows after the first."""
         ck = self.tmp / name
-        args = ["train", "--config", "configs/seed.yaml", "data.name=synthetic",
-                f"data.synthetic_train_size={max(4096, batch_per_gpu * gpus * (steps + 2))}",
-                "data.synthetic_test_size=1000",
-                f"train.batch_size={batch_per_gpu * gpus}", f"train.max_steps={steps}", "train.log_every=10",
-                f"checkpoint.dir={ck}", "checkpoint.every_epochs=0", "train.plot=false", "train.epochs=1", *extra]
+        args = [
+            "train",
+            "--config",
+            "configs/seed.yaml",
+            "data.name=synthetic",
+            f"data.synthetic_train_size={max(4096, batch_per_gpu * gpus * (steps + 2))}",
+            "data.synthetic_test_size=1000",
+            f"train.batch_size={batch_per_gpu * gpus}",
+            f"train.max_steps={steps}",
+            "train.log_every=10",
+            f"checkpoint.dir={ck}",
+            "checkpoint.every_epochs=0",
+            "train.plot=false",
+            "train.epochs=1",
+            *extra,
+        ]
         code, _ = run_case(name, cmd_for(gpus, "trainer", args), self.out, timeout=240)
         rows = read_jsonl(ck / "metrics.jsonl")
         shutil.rmtree(ck, ignore_errors=True)  # 2.4 GB checkpoints in /dev/shm
         windows = [r["images_per_s"] for r in rows if r.get("event") == "log"][1:]
         first = next((r["seconds"] for r in rows if r.get("event") == "first_step"), None)
-        self.append({"run": name, "gpus": gpus, "batch_per_gpu": batch_per_gpu, "exit": code, "first_step_s": first,
-                     "images_per_s": statistics.median(windows) if windows else None, "windows": windows,
-                     "overrides": extra})
+        self.append(
+            {
+                "run": name,
+                "gpus": gpus,
+                "batch_per_gpu": batch_per_gpu,
+                "exit": code,
+                "first_step_s": first,
+                "images_per_s": statistics.median(windows) if windows else None,
+                "windows": windows,
+                "overrides": extra,
+            }
+        )
 
     def recipe(self, name: str, gpus: int, config: str, extra: list[str], target: float = 0.906) -> None:
         """Time to accuracy on real data: training seconds (compile and evaluation excluded)."""
         ck = self.tmp / name
         # a shared decode cache for benches run side by side
         cache = os.environ.get("BENCH_CACHE") or self.tmp / "cache"
-        args = ["train", "--config", config, "data.name=imagefolder", f"data.dir={self.data}",
-                f"data.cache_dir={cache}", f"checkpoint.dir={ck}", "train.plot=false", *extra]
+        args = [
+            "train",
+            "--config",
+            config,
+            "data.name=imagefolder",
+            f"data.dir={self.data}",
+            f"data.cache_dir={cache}",
+            f"checkpoint.dir={ck}",
+            "train.plot=false",
+            *extra,
+        ]
         code, _ = run_case(name, cmd_for(gpus, "trainer", args), self.out, timeout=900)
         rows = read_jsonl(ck / "metrics.jsonl")
         if rows:
@@ -226,16 +298,25 @@ class Bench:
         timed = [r for r in epochs if r.get("step_ms_per_step")]
         data_ms = sum(r["data_ms_per_step"] * r["steps"] for r in timed)
         step_ms = sum(r["step_ms_per_step"] * r["steps"] for r in timed)
-        self.append({"run": name, "gpus": gpus, "exit": code, "overrides": extra, "epochs": len(epochs),
-                     "train_seconds": round(elapsed, 3),
-                     "step_ms_per_epoch": [r.get("step_ms_per_step") for r in epochs],
-                     "final_test_acc": epochs[-1]["test_acc"] if epochs else None, "target": target,
-                     "seconds_to_target": reached,
-                     # all steps' data time / their step time
-                     "data_share_of_step": data_ms / step_ms if step_ms else None,
-                     "epoch_seconds": [r["train_seconds"] for r in epochs],
-                     "images_per_s": statistics.median([r["images_per_s"] for r in epochs]) if epochs else None,
-                     "first_step_s": next((r["seconds"] for r in rows if r.get("event") == "first_step"), None)})
+        self.append(
+            {
+                "run": name,
+                "gpus": gpus,
+                "exit": code,
+                "overrides": extra,
+                "epochs": len(epochs),
+                "train_seconds": round(elapsed, 3),
+                "step_ms_per_epoch": [r.get("step_ms_per_step") for r in epochs],
+                "final_test_acc": epochs[-1]["test_acc"] if epochs else None,
+                "target": target,
+                "seconds_to_target": reached,
+                # all steps' data time / their step time
+                "data_share_of_step": data_ms / step_ms if step_ms else None,
+                "epoch_seconds": [r["train_seconds"] for r in epochs],
+                "images_per_s": statistics.median([r["images_per_s"] for r in epochs]) if epochs else None,
+                "first_step_s": next((r["seconds"] for r in rows if r.get("event") == "first_step"), None),
+            }
+        )
 
     def restart(self, config: str) -> None:
         """One row of the restart suite: cold and warm starts of ``config`` and their ratio."""
@@ -247,13 +328,18 @@ class Bench:
                 print(f"   {name} {node}: exit {r['exit']}\n   {tail}", flush=True)
         ok = warm.get("exit") == 0
         ratio = round(warm["command_to_first_step_s"] / cold["command_to_first_step_s"], 3) if ok else None
-        self.append({"run": name, "gpus": self.gpus, "config": config, "cold": cold, "warm": warm,
-                     "warm_over_cold": ratio})
-        print(f"[{time.strftime('%H:%M:%S')}] {name}: cold {cold.get('command_to_first_step_s')} s, "
-              f"warm {warm.get('command_to_first_step_s')} s, ratio {ratio}", flush=True)
+        self.append(
+            {"run": name, "gpus": self.gpus, "config": config, "cold": cold, "warm": warm, "warm_over_cold": ratio}
+        )
+        print(
+            f"[{time.strftime('%H:%M:%S')}] {name}: cold {cold.get('command_to_first_step_s')} s, "
+            f"warm {warm.get('command_to_first_step_s')} s, ratio {ratio}",
+            flush=True,
+        )
 
-    def case(self, name: str, gpus: int, module: str, args: list[str], timeout: int = 600,
-             env: dict | None = None) -> None:
+    def case(
+        self, name: str, gpus: int, module: str, args: list[str], timeout: int = 600, env: dict | None = None
+    ) -> None:
         run_case(name, cmd_for(gpus, module, args), self.out, timeout, env)
 
 
@@ -288,8 +374,7 @@ def _seednet(b: Bench) -> None:
 
 
 def _stall(b: Bench) -> None:
-    b.case("stall", 1, "bench.micro", ["stall", f"checkpoint.dir={b.tmp / 'stall'}"],
-           env={"BENCH_TMP": str(b.tmp)})
+    b.case("stall", 1, "bench.micro", ["stall", f"checkpoint.dir={b.tmp / 'stall'}"], env={"BENCH_TMP": str(b.tmp)})
 
 
 def _recipes(b: Bench) -> None:
@@ -349,17 +434,34 @@ def _data(b: Bench) -> None:
         b.append({"run": f"data-{row['case']}", **row})
 
 
-SUITES = {"data": _data, "restart": _restart, "micro": _micro, "article": _article, "seednet": _seednet, "stall": _stall,
-          "recipes": _recipes, "ablation": _ablation, "seeds": _seeds, "seednet-ablation": _seednet_ablation,
-          "resnet18": _resnet18, "resnet18-scaling": _resnet18_scaling, "seednet-weights": _seednet_weights}
+SUITES = {
+    "data": _data,
+    "restart": _restart,
+    "micro": _micro,
+    "article": _article,
+    "seednet": _seednet,
+    "stall": _stall,
+    "recipes": _recipes,
+    "ablation": _ablation,
+    "seeds": _seeds,
+    "seednet-ablation": _seednet_ablation,
+    "resnet18": _resnet18,
+    "resnet18-scaling": _resnet18_scaling,
+    "seednet-weights": _seednet_weights,
+}
 
 
 def table(rows: list[dict]) -> str:
     ceiling = next((r["tflops"] for r in rows if r.get("run") == "matmul-bf16"), None)
-    singles = {r["batch_per_gpu"]: r["images_per_s"] for r in rows
-               if r.get("run", "").startswith("ours-single-b") and "plain" not in r["run"] and r.get("images_per_s")}
-    lines = [f"{'run':28} {'GPUs':>4} {'b/GPU':>6} {'images/s':>10} {'TFLOP/s/GPU':>12} {'of bf16 peak':>12} "
-             f"{'scaling':>8} {'1st step s':>10}"]
+    singles = {
+        r["batch_per_gpu"]: r["images_per_s"]
+        for r in rows
+        if r.get("run", "").startswith("ours-single-b") and "plain" not in r["run"] and r.get("images_per_s")
+    }
+    lines = [
+        f"{'run':28} {'GPUs':>4} {'b/GPU':>6} {'images/s':>10} {'TFLOP/s/GPU':>12} {'of bf16 peak':>12} "
+        f"{'scaling':>8} {'1st step s':>10}"
+    ]
     for r in rows:
         ips = r.get("images_per_s")
         if ips is None or "batch_per_gpu" not in r:
@@ -370,27 +472,36 @@ def table(rows: list[dict]) -> str:
         scaled = base and r["gpus"] > 1 and r["run"].startswith("ours")
         scale = f"{100 * ips / (r['gpus'] * base):.0f}%" if scaled else "-"
         first = f"{r['first_step_s']:.1f}" if r.get("first_step_s") else "-"
-        lines.append(f"{r['run']:28} {r['gpus']:>4} {r['batch_per_gpu']:>6g} {ips:>10,.0f} {tf:>12.1f} {share:>12} "
-                     f"{scale:>8} {first:>10}")
+        lines.append(
+            f"{r['run']:28} {r['gpus']:>4} {r['batch_per_gpu']:>6g} {ips:>10,.0f} {tf:>12.1f} {share:>12} "
+            f"{scale:>8} {first:>10}"
+        )
     for r in rows:
         if r.get("run") == "checkpoint-stall":
-            lines.append(f"checkpoint ({r['state_GB']:.2f} GB written): async stall {r['async_stall_s']:.3f}s, "
-                         f"sync save {r['sync_stall_s']:.2f}s, step {r['step_ms']:.1f} ms, "
-                         f"{r['step_ms_during_write']:.1f} ms while writing")
+            lines.append(
+                f"checkpoint ({r['state_GB']:.2f} GB written): async stall {r['async_stall_s']:.3f}s, "
+                f"sync save {r['sync_stall_s']:.2f}s, step {r['step_ms']:.1f} ms, "
+                f"{r['step_ms_during_write']:.1f} ms while writing"
+            )
         if "seconds_to_target" in r:
             acc = r.get("final_test_acc")
             to = r["seconds_to_target"]
             reached = "not reached" if to is None else f"reached after {to:.2f}s"
-            lines.append(f"{r['run']}: failed" if acc is None else
-                         f"{r['run']}: {r['gpus']} GPU(s), test acc {100 * acc:.2f}% "
-                         f"after {r['train_seconds']:.2f}s of training; {r['target']:.1%} {reached}; "
-                         f"data {100 * r['data_share_of_step']:.1f}% of step time")
+            lines.append(
+                f"{r['run']}: failed"
+                if acc is None
+                else f"{r['run']}: {r['gpus']} GPU(s), test acc {100 * acc:.2f}% "
+                f"after {r['train_seconds']:.2f}s of training; {r['target']:.1%} {reached}; "
+                f"data {100 * r['data_share_of_step']:.1f}% of step time"
+            )
         if r.get("run", "").startswith("restart-"):
             c, w = r["cold"], r["warm"]
-            lines.append(f"{r['run']}: {r['gpus']} GPU(s), command -> first step "
-                         f"cold {c.get('command_to_first_step_s')} s "
-                         f"(worker {c.get('worker_first_step_s')}), warm {w.get('command_to_first_step_s')} s "
-                         f"(worker {w.get('worker_first_step_s')}), warm/cold {r['warm_over_cold']}")
+            lines.append(
+                f"{r['run']}: {r['gpus']} GPU(s), command -> first step "
+                f"cold {c.get('command_to_first_step_s')} s "
+                f"(worker {c.get('worker_first_step_s')}), warm {w.get('command_to_first_step_s')} s "
+                f"(worker {w.get('worker_first_step_s')}), warm/cold {r['warm_over_cold']}"
+            )
         if r.get("run") in ("matmul-bf16", "allreduce"):
             lines.append(json.dumps(r))
     return "\n".join(lines)
@@ -419,17 +530,28 @@ def chart(rows: list[dict], png: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="trainer bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="trainer bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--out", default="bench-results")
-    p.add_argument("--suite", default="micro,article,seednet,stall,recipes,resnet18",
-                   help=f"comma-separated, of: {', '.join(SUITES)}")
+    p.add_argument(
+        "--suite",
+        default="micro,article,seednet,stall,recipes,resnet18",
+        help=f"comma-separated, of: {', '.join(SUITES)}",
+    )
     p.add_argument("--data", default="", help="CIFAR-10 image folders or tarballs for the recipes (default ./data)")
-    p.add_argument("--configs", default=",".join(SHIPPED_CONFIGS),
-                   help="restart: the configs to start (default: every shipped one)")
+    p.add_argument(
+        "--configs",
+        default=",".join(SHIPPED_CONFIGS),
+        help="restart: the configs to start (default: every shipped one)",
+    )
     p.add_argument("--resnet-epochs", type=int, default=30)
-    p.add_argument("--seeds", type=lambda v: [int(x) for x in v.split(",")], default=[1, 2, 3],
-                   help="seeds of the seeds suite, e.g. 4,5,6")
+    p.add_argument(
+        "--seeds",
+        type=lambda v: [int(x) for x in v.split(",")],
+        default=[1, 2, 3],
+        help="seeds of the seeds suite, e.g. 4,5,6",
+    )
     args = p.parse_args(argv)
     unknown = [s for s in args.suite.split(",") if s not in SUITES]
     if unknown:
@@ -447,8 +569,13 @@ def main(argv: list[str]) -> int:
     for suite in args.suite.split(","):
         SUITES[suite](bench)
     rows = read_jsonl(out / "results.jsonl")
-    meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0),
-            "gpus": torch.cuda.device_count(), "command": "trainer bench " + " ".join(argv)}
+    meta = {
+        "date": time.strftime("%Y-%m-%d"),
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(0),
+        "gpus": torch.cuda.device_count(),
+        "command": "trainer bench " + " ".join(argv),
+    }
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     chart(rows, out / "bench.png")
     print(json.dumps(meta))

@@ -33,7 +33,9 @@ def make_jpegs(root: Path, train: int = 260, test: int = 60, size: int = 32) -> 
         for c in range(10):
             folder = root / split / f"class{c}"
             folder.mkdir(parents=True, exist_ok=True)
-            colour = torch.tensor([(c * 37) % 256, (c * 91) % 256, (c * 53 + 80) % 256], dtype=torch.float32).view(3, 1, 1)
+            colour = torch.tensor([(c * 37) % 256, (c * 91) % 256, (c * 53 + 80) % 256], dtype=torch.float32).view(
+                3, 1, 1
+            )
             stripes = (torch.arange(size) // 4 % 2).float() * 60
             stripes = stripes.view(1, 1, size) if c % 2 else stripes.view(1, size, 1)
             for i in range(n):
@@ -47,9 +49,12 @@ def jpegs(tmp_path_factory) -> Path:
     """CIFAR-10 as JPEGs: $TRAINER_TEST_DATA where set (CI: the real data set), else made here."""
     given = os.environ.get(TEST_DATA_ENV)
     if given:
-        assert Path(given).is_dir(), f"{TEST_DATA_ENV}={given} is no folder: point it at train/ and test/ class folders (or their .tar.gz)"
+        assert Path(given).is_dir(), (
+            f"{TEST_DATA_ENV}={given} is no folder: point it at train/ and test/ class folders (or their .tar.gz)"
+        )
         return Path(given)
     return make_jpegs(tmp_path_factory.mktemp("jpegs"))
+
 
 def made_once(tmp_path_factory, name: str, make) -> Path:
     """A folder ``make(folder)`` fills once for the whole run: under pytest-xdist the first worker
@@ -93,8 +98,15 @@ def pytest_xdist_make_scheduler(config, log):
 
 # A seconds-long run: no batch norm (so data-parallel equals one process), synthetic data.
 TINY = [
-    "model.name=tinynet", "data.name=synthetic", "data.synthetic_train_size=512", "data.synthetic_test_size=200",
-    "train.batch_size=32", "train.log_every=4", "optim.lr=0.05", "optim.weight_decay=0", "train.plot=false",
+    "model.name=tinynet",
+    "data.name=synthetic",
+    "data.synthetic_train_size=512",
+    "data.synthetic_test_size=200",
+    "train.batch_size=32",
+    "train.log_every=4",
+    "optim.lr=0.05",
+    "optim.weight_decay=0",
+    "train.plot=false",
     "train.deterministic=true",
 ]
 
@@ -112,9 +124,20 @@ def slow_steps(seconds: float) -> dict[str, str]:
 
 
 def env(**extra: str) -> dict[str, str]:
-    e = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "TORCHELASTIC", "TRAINER_"))}
+    e = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "TORCHELASTIC", "TRAINER_"))
+    }
     # As the supervisor (`trainer torchrun`) sets it: tests that start torchrun directly need it too.
-    e.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    e.update(
+        {
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+            "CUDA_VISIBLE_DEVICES": "",
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        }
+    )
     # the test interpreter's environment first on PATH (torchrun, trainer), as an activated venv has it
     e["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{e.get('PATH', '')}"
     e.update(extra)
@@ -135,9 +158,19 @@ def etcd_server(tmp_path):
     import etcd
 
     port = free_port()
-    server = subprocess.Popen(["etcd", "--data-dir", str(tmp_path / "etcd"), "--enable-v2", f"--listen-client-urls=http://127.0.0.1:{port}",
-                               f"--advertise-client-urls=http://127.0.0.1:{port}", f"--listen-peer-urls=http://127.0.0.1:{free_port()}"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [
+            "etcd",
+            "--data-dir",
+            str(tmp_path / "etcd"),
+            "--enable-v2",
+            f"--listen-client-urls=http://127.0.0.1:{port}",
+            f"--advertise-client-urls=http://127.0.0.1:{port}",
+            f"--listen-peer-urls=http://127.0.0.1:{free_port()}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.time() + 30
         while time.time() < deadline:  # serving: its v2 API answers
@@ -157,15 +190,31 @@ def trainer_cmd(*args: str) -> list[str]:
 
 
 def torchrun_cmd(nproc: int, *args: str, max_restarts: int = 0, extra: tuple[str, ...] = ()) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={nproc}",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--max-restarts={max_restarts}",
-            "--monitor-interval=0.5", *extra, "-m", "trainer", *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        f"--nproc-per-node={nproc}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        f"--max-restarts={max_restarts}",
+        "--monitor-interval=0.5",
+        *extra,
+        "-m",
+        "trainer",
+        *args,
+    ]
 
 
 def run(cmd: list[str], timeout: float = 300, check: bool = True, **kw) -> subprocess.CompletedProcess:
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=kw.pop("env", env()), cwd=kw.pop("cwd", ROOT), **kw)
+    p = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, env=kw.pop("env", env()), cwd=kw.pop("cwd", ROOT), **kw
+    )
     if check and p.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {p.returncode}\n--- stdout\n{p.stdout[-3000:]}\n--- stderr\n{p.stderr[-5000:]}")
+        raise AssertionError(
+            f"{' '.join(cmd)} exited {p.returncode}\n--- stdout\n{p.stdout[-3000:]}\n--- stderr\n{p.stderr[-5000:]}"
+        )
     return p
 
 
@@ -220,9 +269,17 @@ def write_format1(state: dict, root: Path, step: int) -> Path:
     folder.mkdir(parents=True)
     torch.save({"format": 1, **state}, folder / "state.pt")
     f, part = folder / "state.pt", 1 << 26
-    meta = {"format": 1, "step": step, "epoch": state.get("epoch"), "bytes": f.stat().st_size, "sha256": sha256(f),
-            "parts": {"bytes": part, "sha256": sha256_parts(f, part)}, "model": state.get("model_name"),
-            "batch_size": (state.get("config") or {}).get("train", {}).get("batch_size"), "classes": state.get("classes")}
+    meta = {
+        "format": 1,
+        "step": step,
+        "epoch": state.get("epoch"),
+        "bytes": f.stat().st_size,
+        "sha256": sha256(f),
+        "parts": {"bytes": part, "sha256": sha256_parts(f, part)},
+        "model": state.get("model_name"),
+        "batch_size": (state.get("config") or {}).get("train", {}).get("batch_size"),
+        "classes": state.get("classes"),
+    }
     (folder / "meta.json").write_text(json.dumps(meta))
     return folder
 
@@ -244,7 +301,13 @@ def as_format1(folder: Path) -> dict:
     from trainer.worker.checkpoint import folder as files
 
     state, meta = saved(folder), files.read_meta(folder)
-    return {"model_name": meta["model"], "classes": meta["classes"], "config": meta["config"], **state, **state.pop("train")}
+    return {
+        "model_name": meta["model"],
+        "classes": meta["classes"],
+        "config": meta["config"],
+        **state,
+        **state.pop("train"),
+    }
 
 
 def tree_files(folder: Path) -> dict[str, tuple[int, int]]:
@@ -253,7 +316,11 @@ def tree_files(folder: Path) -> dict[str, tuple[int, int]]:
     checkpoint, so a run that then stops on bad input has still rewritten it."""
     if not folder.exists():
         return {}
-    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*") if p.is_file() and p.name != ".lock"}
+    return {
+        str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in folder.rglob("*")
+        if p.is_file() and p.name != ".lock"
+    }
 
 
 @pytest.fixture
@@ -276,7 +343,6 @@ def ckpt(tmp_path: Path) -> Path:
     return tmp_path / "ckpt"
 
 
-
 FAULT_RESULTS: list[tuple[str, int, int]] = []
 
 
@@ -297,12 +363,15 @@ def gpu_figure(row: dict) -> None:
 def gpu_table(outcomes: list[tuple[str, str]], figures: list[dict]) -> list[str]:
     """One line per GPU case: its name, its result, and what it measured (recovery s, ratio,
     accuracy), from the outcomes (test id, passed/failed/skipped) and the figures."""
+
     def shown(v):
         return f"{v:.3g}" if isinstance(v, float) else str(v)
 
     rows = []
     for test, outcome in outcomes:
-        measured = "; ".join(", ".join(f"{k} {shown(v)}" for k, v in f.items() if k not in SHOWN) for f in figures if f["test"] == test)
+        measured = "; ".join(
+            ", ".join(f"{k} {shown(v)}" for k, v in f.items() if k not in SHOWN) for f in figures if f["test"] == test
+        )
         rows.append((test.split("::")[-1].removeprefix("test_"), outcome, measured))
     width = max([len("case"), *(len(r[0]) for r in rows)])
     return [f"{'case'.ljust(width)}  result  figures", *(f"{c.ljust(width)}  {o:<6}  {m}" for c, o, m in rows)]
@@ -321,8 +390,12 @@ def pytest_testnodedown(node, error):
 
 
 def pytest_terminal_summary(terminalreporter):
-    outcomes = [(r.nodeid, kind) for kind in ("passed", "failed", "skipped") for r in terminalreporter.stats.get(kind, [])
-                if getattr(r, "when", "call") in ("call", "setup") and "gpu" in getattr(r, "keywords", {})]
+    outcomes = [
+        (r.nodeid, kind)
+        for kind in ("passed", "failed", "skipped")
+        for r in terminalreporter.stats.get(kind, [])
+        if getattr(r, "when", "call") in ("call", "setup") and "gpu" in getattr(r, "keywords", {})
+    ]
     if outcomes:  # `make test-gpu`: one table at the end
         terminalreporter.section("GPU suite")
         for line in gpu_table(sorted(set(outcomes)), GPU_FIGURES):
@@ -342,7 +415,9 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line(f"{'total'.ljust(width)}  {total:>6}  {passed:>6}")
 
 
-def same_training(tmp_path: Path, args: list[str], option: str, extra_env: dict | None = None, nproc: int = 2, rtol: float = 1e-5) -> None:
+def same_training(
+    tmp_path: Path, args: list[str], option: str, extra_env: dict | None = None, nproc: int = 2, rtol: float = 1e-5
+) -> None:
     """Train twice under real torchrun (tests/resume_probe.py), with ``option``=true and =false:
     every saved tensor (weights or fp32 masters, optimizer state) must end the same up to float
     rounding: ``rtol`` of its norm (1e-5 for fp32 arithmetic in another order; bf16 gradients
@@ -350,8 +425,18 @@ def same_training(tmp_path: Path, args: list[str], option: str, extra_env: dict 
     values = {}
     for mode in ("true", "false"):
         out = tmp_path / f"{mode}.pt"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "tests/resume_probe.py", str(out),
-               *args, f"{option}={mode}", f"checkpoint.dir={tmp_path / mode}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            "tests/resume_probe.py",
+            str(out),
+            *args,
+            f"{option}={mode}",
+            f"checkpoint.dir={tmp_path / mode}",
+        ]
         run(cmd, env=env(MASTER_PORT=str(free_port()), **(extra_env or {})), timeout=600)
         values[mode] = torch.load(out, weights_only=False)["values"]
     on, off = values["true"], values["false"]
@@ -359,7 +444,9 @@ def same_training(tmp_path: Path, args: list[str], option: str, extra_env: dict 
     for k, a in off.items():
         b = on[k]
         assert a.dtype == b.dtype, k
-        assert (a.double() - b.double()).norm() <= rtol * a.double().norm(), f"{k}: {(a.double() - b.double()).norm() / a.double().norm():.2e} of its norm apart"
+        assert (a.double() - b.double()).norm() <= rtol * a.double().norm(), (
+            f"{k}: {(a.double() - b.double()).norm() / a.double().norm():.2e} of its norm apart"
+        )
 
 
 @pytest.fixture(scope="session")
@@ -369,8 +456,18 @@ def small_run(tmp_path_factory) -> tuple[Path, Path]:
 
     def make(folder: Path) -> None:
         make_jpegs(folder / "images", train=40, test=12)
-        run(trainer_cmd("train", *TINY, "data.name=imagefolder", f"data.dir={folder / 'images'}", "train.batch_size=40", "train.epochs=3",
-                        f"checkpoint.dir={folder / 'run'}", "checkpoint.async_save=false"))
+        run(
+            trainer_cmd(
+                "train",
+                *TINY,
+                "data.name=imagefolder",
+                f"data.dir={folder / 'images'}",
+                "train.batch_size=40",
+                "train.epochs=3",
+                f"checkpoint.dir={folder / 'run'}",
+                "checkpoint.async_save=false",
+            )
+        )
 
     folder = made_once(tmp_path_factory, "small-run", make)
     return folder / "run", folder / "images"

@@ -73,12 +73,12 @@ def sweep() -> list[str]:
     for ns in namespaces():
         if not ns.startswith(PREFIX):
             continue
-        owner = ns[len(PREFIX):].split("-", 1)[0]
+        owner = ns[len(PREFIX) :].split("-", 1)[0]
         if owner.isdigit() and not Path(f"/proc/{owner}").exists():
             _delete(ns)
             gone.append(ns)
     for d in Path(tempfile.gettempdir()).glob(f"{PREFIX}*"):  # the beds' host files
-        owner = d.name[len(PREFIX):].split("-", 1)[0]
+        owner = d.name[len(PREFIX) :].split("-", 1)[0]
         if d.is_dir() and owner.isdigit() and not Path(f"/proc/{owner}").exists():
             shutil.rmtree(d, ignore_errors=True)
             gone.append(str(d))
@@ -163,8 +163,21 @@ class Bed:
     def wrap(self, host: str, cmd: list[str]) -> list[str]:
         """``cmd`` as a process of ``host``: its network, host name and /etc/hosts."""
         script = 'hostname "$0" && mount --bind "$1" /etc/hosts && shift && exec "$@"'
-        return ["nsenter", f"--net=/run/netns/{self.ns(host)}", "unshare", "--uts", "--mount", "--propagation", "slave",
-                "sh", "-c", script, host, str(self.dir / "hosts"), *cmd]
+        return [
+            "nsenter",
+            f"--net=/run/netns/{self.ns(host)}",
+            "unshare",
+            "--uts",
+            "--mount",
+            "--propagation",
+            "slave",
+            "sh",
+            "-c",
+            script,
+            host,
+            str(self.dir / "hosts"),
+            *cmd,
+        ]
 
     def popen(self, host: str, cmd: list[str], **kw) -> subprocess.Popen:
         p = subprocess.Popen(self.wrap(host, cmd), **kw)
@@ -215,11 +228,13 @@ class SlurmCluster:
         self.dir = bed.dir / "slurm"
         self.dir.mkdir()
         self.conf = self.dir / "slurm.conf"
-        nodes = "".join(f"NodeName={h} NodeAddr={bed.addr[h]} CPUs={cpus} RealMemory={mem_mb} State=UNKNOWN\n" for h in self.nodes)
+        nodes = "".join(
+            f"NodeName={h} NodeAddr={bed.addr[h]} CPUs={cpus} RealMemory={mem_mb} State=UNKNOWN\n" for h in self.nodes
+        )
         d = self.dir
         self.conf.write_text(f"""ClusterName=bed
-SlurmctldHost=ctl({bed.addr['ctl']})
-Include {Path(__file__).resolve().parent / 'slurm' / 'common.conf'}
+SlurmctldHost=ctl({bed.addr["ctl"]})
+Include {Path(__file__).resolve().parent / "slurm" / "common.conf"}
 SlurmdTimeout={slurmd_timeout_s}
 StateSaveLocation={d}/ctld
 SlurmdSpoolDir={d}/spool-%n
@@ -233,14 +248,25 @@ PreemptMode=REQUEUE
 PartitionName=urgent Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
 """)
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
-        bed.popen("ctl", ["slurmctld", "-D", "-f", str(self.conf)], env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        bed.popen(
+            "ctl",
+            ["slurmctld", "-D", "-f", str(self.conf)],
+            env=self.env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         for h in self.nodes:
             self.start_node(h)
         self.wait_idle(self.nodes)
 
     def start_node(self, host: str) -> None:
-        self.bed.popen(host, ["slurmd", "-D", "-N", host, "-f", str(self.conf)], env=self.env,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.bed.popen(
+            host,
+            ["slurmd", "-D", "-N", host, "-f", str(self.conf)],
+            env=self.env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
 
     def run(self, *cmd: str, timeout: float = 60, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
         """A Slurm client command (sinfo, sbatch, scontrol ...), from the first node."""
@@ -270,12 +296,16 @@ def left_behind() -> list[str]:
     torchrun process in this machine's process namespace but another network namespace (a
     container's processes have a process namespace of their own), or a Slurm daemon of a bed (they
     run with -D; the one-node cluster's do not). Called when no bed should be up."""
-    left = [ns for ns in namespaces() if ns.startswith(PREFIX)] + [str(d) for d in Path(tempfile.gettempdir()).glob(f"{PREFIX}*")]
+    left = [ns for ns in namespaces() if ns.startswith(PREFIX)] + [
+        str(d) for d in Path(tempfile.gettempdir()).glob(f"{PREFIX}*")
+    ]
     net, pid_ns = os.readlink("/proc/self/ns/net"), os.readlink("/proc/self/ns/pid")
     for pattern in ("trainer (train|torchrun)", "slurm(ctld|d) -D"):
         for pid in subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split():
             try:
-                if os.readlink(f"/proc/{pid}/ns/pid") == pid_ns and (os.readlink(f"/proc/{pid}/ns/net") != net or "slurm" in pattern):
+                if os.readlink(f"/proc/{pid}/ns/pid") == pid_ns and (
+                    os.readlink(f"/proc/{pid}/ns/net") != net or "slurm" in pattern
+                ):
                     left.append(Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " "))
             except OSError:  # gone meanwhile
                 continue

@@ -32,7 +32,9 @@ def live_layout(run) -> dict[str, tuple]:
     names = {id(p): n for n, p in model.named_parameters()}
     masters, lookahead = run.extras.masters, run.extras.lookahead
     if masters:  # train.param_dtype=bf16: the fp32 masters and their momentum
-        out.update({f"masters/{kind}/{n}": layout(t) for kind, ts in masters.state_dict().items() for n, t in ts.items()})
+        out.update(
+            {f"masters/{kind}/{n}": layout(t) for kind, ts in masters.state_dict().items() for n, t in ts.items()}
+        )
     for group in run.optimizer.param_groups:
         for p in group["params"]:
             for key, v in run.optimizer.state.get(p, {}).items():
@@ -68,8 +70,17 @@ def main() -> None:
     state = {k: p.state_dict() for k, p in parts.items()}
     if rt.is_main:
         values = flat({k: state[k] for k in ("model", "optimizer", "masters", "lookahead") if state.get(k) is not None})
-        torch.save({"restored": restored, "final": final, "values": values, "resumed": run.resumed_from is not None,
-                    "step": run.state.step, "code": code}, out)
+        torch.save(
+            {
+                "restored": restored,
+                "final": final,
+                "values": values,
+                "resumed": run.resumed_from is not None,
+                "step": run.state.step,
+                "code": code,
+            },
+            out,
+        )
     run.checkpointer.close()
     teardown()
 

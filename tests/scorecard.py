@@ -1,21 +1,22 @@
 """The codebase's scorecard, for a maintainer (`make scorecard`; .ci/run prints it).
 
-    code lines      trainer/ (the installed package; the benchmarks live in bench/): lines with code, not blank, comment or docstring
-    statements      Python statements there
-    long functions  functions there of more than LONG lines, their docstrings left out
-    import cycles   groups of trainer modules that import each other, at any depth (a function's
-                    local import counts: it hides the arrow, it does not remove it)
-    upward arrows   a module outside trainer/launch/ (the worker side, and what both sides share)
-                    importing one of trainer/launch/; the entry (trainer/cli.py, __main__) sits above
-                    both sides and may import either
-    across arrows   a module of trainer/launch/ importing one of trainer/worker/: the launcher's
-                    process reads what both sides share (contract, config, runfolder), never the worker's code
-    long lines      lines over 120 characters in trainer/ (with bench/) and tests/
-    fixed sleeps    time.sleep calls in tests outside a loop (a poll has a loop; a fixed wait is a
-                    guess at how long something takes, which a loaded machine makes wrong), but
-                    for a fault's or a pause's own length, marked ``# duration: ...``
+code lines      trainer/ (the installed package; the benchmarks live in bench/): lines with code, not blank, comment or
+docstring
+statements      Python statements there
+long functions  functions there of more than LONG lines, their docstrings left out
+import cycles   groups of trainer modules that import each other, at any depth (a function's
+                local import counts: it hides the arrow, it does not remove it)
+upward arrows   a module outside trainer/launch/ (the worker side, and what both sides share)
+                importing one of trainer/launch/; the entry (trainer/cli.py, __main__) sits above
+                both sides and may import either
+across arrows   a module of trainer/launch/ importing one of trainer/worker/: the launcher's
+                process reads what both sides share (contract, config, runfolder), never the worker's code
+long lines      lines over 120 characters in trainer/ (with bench/) and tests/
+fixed sleeps    time.sleep calls in tests outside a loop (a poll has a loop; a fixed wait is a
+                guess at how long something takes, which a loaded machine makes wrong), but
+                for a fault's or a pause's own length, marked ``# duration: ...``
 
-    python tests/scorecard.py [--json]
+python tests/scorecard.py [--json]
 """
 
 from __future__ import annotations
@@ -49,13 +50,26 @@ def code_lines(path: Path) -> int:
     docstrings = set()
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
-        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
-                and isinstance(body[0].value.value, str):
+        if (
+            isinstance(body, list)
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
             docstrings.update(range(body[0].lineno, body[0].end_lineno + 1))
         if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
             docstrings.update(range(node.lineno, node.end_lineno + 1))  # attribute docstrings too
     lines = set()
-    skip = (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER, tokenize.ENCODING)
+    skip = (
+        tokenize.COMMENT,
+        tokenize.NL,
+        tokenize.NEWLINE,
+        tokenize.INDENT,
+        tokenize.DEDENT,
+        tokenize.ENDMARKER,
+        tokenize.ENCODING,
+    )
     for tok in tokenize.generate_tokens(io.StringIO(text).readline):
         if tok.type not in skip and tok.start[0] not in docstrings:
             lines.update(range(tok.start[0], tok.end[0] + 1))
@@ -119,13 +133,19 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-def docstring_lines(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
-    """The lines of a function's docstring: not counted in its length (a TorchX component's Args,
-    which `torchx run` shows as its help, are most of its lines)."""
-    first = fn.body[0] if fn.body else None
-    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
-        return first.end_lineno - first.lineno + 1
-    return 0
+def body_lines(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """A function's length: the lines of its body, without its signature (one parameter a line once
+    `ruff format` splits it) and its docstring (a TorchX component's Args, which `torchx run` shows
+    as its help, are most of its lines)."""
+    body = fn.body
+    if (
+        body
+        and isinstance(body[0], ast.Expr)
+        and isinstance(body[0].value, ast.Constant)
+        and isinstance(body[0].value.value, str)
+    ):
+        body = body[1:]
+    return body[-1].end_lineno - body[0].lineno + 1 if body else 0
 
 
 DURATION = "# duration:"
@@ -142,7 +162,10 @@ def fixed_sleeps(path: Path) -> list[int]:
             n = node
             while n in parents and not isinstance(n, (ast.While, ast.For)):
                 n = parents[n]
-            if not isinstance(n, (ast.While, ast.For)) and DURATION not in lines[node.lineno - 1]:
+            marked = (
+                DURATION in lines[node.lineno - 1] or DURATION in lines[node.lineno - 2]
+            )  # on its line or the one above
+            if not isinstance(n, (ast.While, ast.For)) and not marked:
                 found.append(node.lineno)
     return sorted(found)
 
@@ -150,14 +173,30 @@ def fixed_sleeps(path: Path) -> list[int]:
 def card() -> dict:
     files = modules()
     trees = {p: ast.parse(p.read_text()) for p in files}
-    functions = [(f"{module_name(p)}.{n.name}", n.end_lineno - n.lineno + 1 - docstring_lines(n)) for p, t in trees.items() for n in ast.walk(t)
-                 if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    functions = [
+        (f"{module_name(p)}.{n.name}", body_lines(n))
+        for p, t in trees.items()
+        for n in ast.walk(t)
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+    ]
     graph = {module_name(p): {m for m in imports(p) if m != module_name(p)} for p in modules(include_bench=True)}
-    upward = sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps
-                    if m.split(".")[0] not in (LAUNCHER, *ENTRY) and d.split(".")[0] == LAUNCHER)
-    across = sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps if m.split(".")[0] == LAUNCHER and d.split(".")[0] == WORKER)
-    long_lines = {str(p.relative_to(ROOT)): n for p in [*modules(include_bench=True), *sorted((ROOT / "tests").glob("*.py"))]
-                  if (n := sum(len(line) > 120 for line in p.read_text().splitlines()))}
+    upward = sorted(
+        f"{m} -> {d}"
+        for m, deps in graph.items()
+        for d in deps
+        if m.split(".")[0] not in (LAUNCHER, *ENTRY) and d.split(".")[0] == LAUNCHER
+    )
+    across = sorted(
+        f"{m} -> {d}"
+        for m, deps in graph.items()
+        for d in deps
+        if m.split(".")[0] == LAUNCHER and d.split(".")[0] == WORKER
+    )
+    long_lines = {
+        str(p.relative_to(ROOT)): n
+        for p in [*modules(include_bench=True), *sorted((ROOT / "tests").glob("*.py"))]
+        if (n := sum(len(line) > 120 for line in p.read_text().splitlines()))
+    }
     sleeps = {p.name: lines for p in sorted((ROOT / "tests").glob("*.py")) if (lines := fixed_sleeps(p))}
     return {
         "code_lines": sum(code_lines(p) for p in files),
@@ -181,13 +220,21 @@ def main() -> None:
         return
     print(f"code lines outside bench/    {c['code_lines']:,}")
     print(f"statements                   {c['statements']:,}")
-    print(f"functions over {LONG} lines      {len(c['long_functions'])}" + "".join(f"\n    {f}" for f in c["long_functions"]))
-    print(f"import cycles                {len(c['import_cycles'])}" + "".join(f"\n    {' <-> '.join(g)}" for g in c["import_cycles"]))
+    print(
+        f"functions over {LONG} lines      {len(c['long_functions'])}"
+        + "".join(f"\n    {f}" for f in c["long_functions"])
+    )
+    print(
+        f"import cycles                {len(c['import_cycles'])}"
+        + "".join(f"\n    {' <-> '.join(g)}" for g in c["import_cycles"])
+    )
     print(f"upward arrows                {len(c['upward_arrows'])}" + "".join(f"\n    {a}" for a in c["upward_arrows"]))
     print(f"launch -> worker arrows      {len(c['across_arrows'])}" + "".join(f"\n    {a}" for a in c["across_arrows"]))
     print(f"lines over 120 characters    {c['long_lines']} in trainer/ and bench/, {c['long_lines_tests']} in tests/")
-    print(f"fixed sleeps in tests        {c['fixed_sleeps']}" + "".join(f"\n    {f}: lines {', '.join(map(str, v))}"
-                                                                     for f, v in c["fixed_sleeps_by_file"].items()))
+    print(
+        f"fixed sleeps in tests        {c['fixed_sleeps']}"
+        + "".join(f"\n    {f}: lines {', '.join(map(str, v))}" for f, v in c["fixed_sleeps_by_file"].items())
+    )
 
 
 if __name__ == "__main__":

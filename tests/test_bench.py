@@ -45,15 +45,20 @@ def test_read_jsonl_skips_blank_lines_and_a_missing_file(tmp_path):
 
 def resident_bytes(path) -> int:
     """The bytes of ``path`` in the page cache (util-linux's fincore)."""
-    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)], capture_output=True, text=True, check=True
+    ).stdout
     return int(out.split()[0])
 
 
 def test_a_start_of_the_restart_suite_finds_nothing_in_the_page_cache(tmp_path):
     """The restart suite's fresh node: files read before (by the cold start) are no longer in memory."""
-    on_disk = tmp_path if "tmpfs" not in subprocess.run(["stat", "-f", "-c", "%T", tmp_path], capture_output=True,
-                                                        text=True).stdout else Path("/var/tmp")  # a tmpfs keeps its pages
+    # a tmpfs keeps its pages
+    on_disk = (
+        tmp_path
+        if "tmpfs" not in subprocess.run(["stat", "-f", "-c", "%T", tmp_path], capture_output=True, text=True).stdout
+        else Path("/var/tmp")
+    )
     with tempfile.TemporaryDirectory(dir=on_disk) as d:
         check_eviction(Path(d) / "volume")
 
@@ -88,8 +93,22 @@ def test_the_restore_case_times_a_restore_and_shows_where_it_went(tmp_path):
     """bench.micro restore on the CPU: a checkpoint of two steps restored three times into the
     live run, each time timed, and the profile of the last printed."""
     out = tmp_path / "results.jsonl"
-    p = subprocess.run([sys.executable, "-m", "bench.micro", "restore", "configs/seed.yaml", "model.name=tinynet", "train.batch_size=32"],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "BENCH_OUT": str(out), "BENCH_TMP": str(tmp_path)})
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.micro",
+            "restore",
+            "configs/seed.yaml",
+            "model.name=tinynet",
+            "train.batch_size=32",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "BENCH_OUT": str(out), "BENCH_TMP": str(tmp_path)},
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     (row,) = read_jsonl(out)
     assert row["run"] == "checkpoint-restore" and row["model"] == "tinynet" and row["state_GB"] > 0
@@ -110,15 +129,58 @@ def test_the_predict_bench_times_predict_beside_a_plain_script_and_the_exports(t
     make_jpegs(cifar / "src", train=4, test=2)
     for split in ("train", "test"):
         run(["tar", "czf", str(cifar / f"cifar10-jpeg-{split}.tar.gz"), "-C", str(cifar / "src"), split])
-    p = run([sys.executable, "-m", "bench.predict", str(tmp_path / "out"), "--cifar", str(cifar), "--images", "20", "--batch", "8",
-             "--workers", "1"], cwd=ROOT, timeout=1200)
+    p = run(
+        [
+            sys.executable,
+            "-m",
+            "bench.predict",
+            str(tmp_path / "out"),
+            "--cifar",
+            str(cifar),
+            "--images",
+            "20",
+            "--batch",
+            "8",
+            "--workers",
+            "1",
+        ],
+        cwd=ROOT,
+        timeout=1200,
+    )
     rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
-    assert [r["case"].split(",")[0] for r in rows] == ["plain", "predict", "plain", "predict", "export onnx", "export pt2", "cpu runtimes"]
+    assert [r["case"].split(",")[0] for r in rows] == [
+        "plain",
+        "predict",
+        "plain",
+        "predict",
+        "export onnx",
+        "export pt2",
+        "cpu runtimes",
+    ]
     assert all(r["images"] == 20 and r["images_per_s"] > 0 for r in rows[:4])
     assert all("largest logit difference" in r["line"] for r in rows[4:6]) and rows[6]["onnxruntime_images_per_s"] > 0
     # --before TREE: an earlier tree's predict takes turns with this one's (here the same tree)
-    p = run([sys.executable, "-m", "bench.predict", str(tmp_path / "out"), "--cifar", str(cifar), "--images", "20", "--batch", "8",
-             "--workers", "1", "--before", str(ROOT), "--predict-only"], cwd=ROOT, timeout=1200)
+    p = run(
+        [
+            sys.executable,
+            "-m",
+            "bench.predict",
+            str(tmp_path / "out"),
+            "--cifar",
+            str(cifar),
+            "--images",
+            "20",
+            "--batch",
+            "8",
+            "--workers",
+            "1",
+            "--before",
+            str(ROOT),
+            "--predict-only",
+        ],
+        cwd=ROOT,
+        timeout=1200,
+    )
     rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
     assert [r["case"].split(",")[0] for r in rows] == ["plain", "predict", "before", "plain", "predict", "before"]
 
@@ -137,7 +199,9 @@ def test_the_memory_bench_takes_any_image_size_and_refuses_to_report_a_failed_ru
     write(make_jpegs(tmp_path / "img", train=30, test=3, size=72), tmp_path / "sh")
     p = run([sys.executable, "-m", "bench.data", "--memory", str(tmp_path / "sh")], cwd=ROOT, timeout=600)
     rows = [json.loads(line) for line in p.stdout.splitlines()]
-    assert [r["case"] for r in rows] == ["streamed-memory-x1", "streamed-memory-x16"] and all(r["rc"] == 0 and r["peak_anonymous_MB"] > 0 for r in rows)
+    assert [r["case"] for r in rows] == ["streamed-memory-x1", "streamed-memory-x16"] and all(
+        r["rc"] == 0 and r["peak_anonymous_MB"] > 0 for r in rows
+    )
     tar = next((tmp_path / "sh").glob("train-*.tar"))
     tar.write_bytes(bytes(tar.stat().st_size))
     p = run([sys.executable, "-m", "bench.data", "--memory", str(tmp_path / "sh")], cwd=ROOT, timeout=600, check=False)

@@ -65,8 +65,19 @@ def test_a_damaged_part_is_found_and_format_1_checkpoints_verify_by_the_whole_fi
 
 def test_format_1_checkpoints_still_load(tmp_path):
     w = torch.randn(5, 5)
-    old = write_format1({"model": {"w": w}, "model_name": "tinynet", "classes": ["a", "b"], "config": {"train": {"batch_size": 8}},
-                         "epoch": 1, "epoch_step": 2, "step": 9}, tmp_path, 9)
+    old = write_format1(
+        {
+            "model": {"w": w},
+            "model_name": "tinynet",
+            "classes": ["a", "b"],
+            "config": {"train": {"batch_size": 8}},
+            "epoch": 1,
+            "epoch_step": 2,
+            "step": 9,
+        },
+        tmp_path,
+        9,
+    )
     folder, about, whole = store.open_checkpoint(old, verify=True)
     assert (about["model"], about["classes"], about["batch_size"]) == ("tinynet", ["a", "b"], 8)
     assert torch.equal(whole["model"]["w"], w) and whole["train"] == {"epoch": 1, "epoch_step": 2, "step": 9}
@@ -109,7 +120,9 @@ def test_crash_between_write_and_rename_leaves_the_old_checkpoint(tmp_path):
         "import sys, torch; from trainer.worker.checkpoint import store; from pathlib import Path\n"
         "store.write_state({'model': {'w': torch.ones(1000)}}, Path(sys.argv[1]), 2, 3)\n"
     )
-    p = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env(TRAINER_FAULT="before-rename:kill"), cwd=ROOT)
+    p = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], env=env(TRAINER_FAULT="before-rename:kill"), cwd=ROOT
+    )
     assert p.returncode == -signal.SIGKILL
     assert list(tmp_path.glob(".tmp-step-2")), "the half-done save is still there, under its temporary name"
     assert checkpoint.newest_good(tmp_path) == tmp_path / "step-1"
@@ -235,7 +248,9 @@ def test_keep_k_needs_room_for_k_plus_one_checkpoints(tmp_path):
         write(state(step), tmp_path, step, keep=3)
     assert checkpoint.space_needed(tmp_path, 100, keep=3) == 100  # steady state: one more at a save
     free = __import__("shutil").disk_usage(tmp_path).free
-    with pytest.raises(CheckpointError, match=r"checkpoint.keep=2 needs \(K \+ 1 checkpoints at a save.*lower checkpoint.keep"):
+    with pytest.raises(
+        CheckpointError, match=r"checkpoint.keep=2 needs \(K \+ 1 checkpoints at a save.*lower checkpoint.keep"
+    ):
         checkpoint.probe(tmp_path / "new", free // 2, keep=2)
     checkpoint.probe(tmp_path / "new", free // 8, keep=2)
 
@@ -256,10 +271,17 @@ except folder.CheckpointError as e:
 
 
 def test_a_failed_write_names_the_step_the_folder_the_space_and_the_newest_checkpoint(tmp_path):
-    p = subprocess.run([sys.executable, "-c", FULL_DISK, str(tmp_path)], capture_output=True, text=True, cwd=ROOT, env=env())
+    p = subprocess.run(
+        [sys.executable, "-c", FULL_DISK, str(tmp_path)], capture_output=True, text=True, cwd=ROOT, env=env()
+    )
     said = p.stdout.strip()
     assert said.startswith(f"could not write checkpoint step-2 into {tmp_path}: File too large"), p.stdout + p.stderr
-    assert "needs about 0.00 GB" in said and "GB free" in said and "newest complete checkpoint is step-1" in said and "run again to resume" in said
+    assert (
+        "needs about 0.00 GB" in said
+        and "GB free" in said
+        and "newest complete checkpoint is step-1" in said
+        and "run again to resume" in said
+    )
     assert [s for s, _ in checkpoint.complete(tmp_path)] == [1] and not list(tmp_path.glob(".tmp-*"))
 
 
@@ -269,16 +291,36 @@ def test_a_full_volume_during_training_stops_with_exit_2_and_one_line(tmp_path):
 
     def limit():
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (5_000_000, 5_000_000))  # the 1 MB write probe fits, a ResNet-18 checkpoint (89 MB) does not
+        # the 1 MB write probe fits, a ResNet-18 checkpoint (89 MB) does not
+        resource.setrlimit(resource.RLIMIT_FSIZE, (5_000_000, 5_000_000))
 
     ck = tmp_path / "ck"
     from conftest import TINY, trainer_cmd
 
-    p = subprocess.run(trainer_cmd("train", *TINY, f"checkpoint.dir={ck}", "train.epochs=1", "checkpoint.every_steps=2", "optim.momentum=0.9",
-                                   "model.name=resnet18"), capture_output=True, text=True, cwd=ROOT, env=env(), preexec_fn=limit, timeout=300)
+    p = subprocess.run(
+        trainer_cmd(
+            "train",
+            *TINY,
+            f"checkpoint.dir={ck}",
+            "train.epochs=1",
+            "checkpoint.every_steps=2",
+            "optim.momentum=0.9",
+            "model.name=resnet18",
+        ),
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env(),
+        preexec_fn=limit,
+        timeout=300,
+    )
     errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
     assert p.returncode == 2 and len(errors) == 1, p.stderr[-2000:]
-    assert "could not write checkpoint step-2" in errors[0] and "no complete checkpoint exists yet" in errors[0] and "Traceback" not in p.stderr
+    assert (
+        "could not write checkpoint step-2" in errors[0]
+        and "no complete checkpoint exists yet" in errors[0]
+        and "Traceback" not in p.stderr
+    )
     assert not list(ck.glob("step-*")) and not list(ck.glob(".tmp-*"))
 
 
@@ -301,7 +343,9 @@ def test_metadata_that_pickles_enum_members_by_name_loads_and_getattr_reaches_no
     assert b"getattr" in buf.getvalue()
     (folder / ".metadata").write_bytes(buf.getvalue())
     reseal(folder)
-    assert set(store._reader(folder).read_metadata().state_dict_metadata) == md and torch.equal(store.read(folder)["model"]["w"], state(3)["model"]["w"])
+    assert set(store._reader(folder).read_metadata().state_dict_metadata) == md and torch.equal(
+        store.read(folder)["model"]["w"], state(3)["model"]["w"]
+    )
     # getattr(torch.Size, "__subclasses__")(): the first step to every class in the process
     (folder / ".metadata").write_bytes(b"cbuiltins\ngetattr\n(ctorch\nSize\nV__subclasses__\ntR(tR.")
     reseal(folder)

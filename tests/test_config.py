@@ -21,14 +21,17 @@ def test_shipped_configs_open_with_launch_commands_that_resolve(name):
     and overrides resolve (no unknown key, no wrong type), as `trainer train` would resolve them."""
     path = ROOT / "configs" / f"{name}.yaml"
     load_config(path)
-    commands = [line.lstrip("# ").split("#")[0].split() for line in path.read_text().splitlines()[:8]
-                if line.startswith("#") and (" -m trainer train " in line or "make run-local" in line)]
+    commands = [
+        line.lstrip("# ").split("#")[0].split()
+        for line in path.read_text().splitlines()[:8]
+        if line.startswith("#") and (" -m trainer train " in line or "make run-local" in line)
+    ]
     assert commands, f"{path.name} shows no launch command in its header"
     for words in commands:
         if words[:2] == ["make", "run-local"]:
             assert name == "default"  # run-local's CONFIG defaults to configs/default.yaml (Makefile)
             continue
-        args = words[words.index("train", words.index("trainer")) + 1:]
+        args = words[words.index("train", words.index("trainer")) + 1 :]
         assert args[args.index("--config") + 1] == f"configs/{name}.yaml", words
         overrides = [a for a in args if "=" in a]
         cfg = load_config(ROOT / args[args.index("--config") + 1], overrides)
@@ -39,7 +42,13 @@ def test_shipped_configs_open_with_launch_commands_that_resolve(name):
 
 def test_seed_config_is_the_articles_setup():
     cfg = load_config(ROOT / "configs" / "seed.yaml")
-    assert (cfg.model.name, cfg.train.batch_size, cfg.optim.name, cfg.optim.lr, cfg.train.epochs) == ("seednet", 64, "sgd", 0.01, 10)
+    assert (cfg.model.name, cfg.train.batch_size, cfg.optim.name, cfg.optim.lr, cfg.train.epochs) == (
+        "seednet",
+        64,
+        "sgd",
+        0.01,
+        10,
+    )
     assert cfg.optim.momentum == 0 and cfg.optim.schedule == "constant"
 
 
@@ -53,7 +62,9 @@ def test_precedence_cli_over_file_over_defaults(tmp_path):
 
 
 def test_auto_and_types_are_coerced():
-    cfg = load_config(None, ["model.compile=auto", "optim.lr=1", "data.device_resident=false", "checkpoint.resume=/x/step-3"])
+    cfg = load_config(
+        None, ["model.compile=auto", "optim.lr=1", "data.device_resident=false", "checkpoint.resume=/x/step-3"]
+    )
     assert cfg.model.compile is None and cfg.optim.lr == 1.0 and isinstance(cfg.optim.lr, float)
     assert cfg.data.device_resident is False and cfg.checkpoint.resume == "/x/step-3"
 
@@ -114,7 +125,9 @@ def test_a_renamed_key_still_loads_with_one_warning_line(tmp_path):
     p = run(trainer_cmd("config", "--config", str(old), "optim.ema_every=7"))
     assert "lookahead_every: 7" in p.stdout and "ema_every" not in p.stdout
     warnings = [line for line in p.stderr.splitlines() if "ema_every" in line]
-    assert warnings == ["warning: config key optim.ema_every is now optim.lookahead_every; the old name still works, rename it"]
+    assert warnings == [
+        "warning: config key optim.ema_every is now optim.lookahead_every; the old name still works, rename it"
+    ]
 
 
 def test_explain_documents_every_key():
@@ -155,11 +168,17 @@ def test_every_size_of_an_elastic_range_must_split_the_batch():
 
     cfg = load_config(None, ["train.batch_size=64"])
     check_world_range(cfg, "2", 8)
-    with pytest.raises(ConfigError, match=r"3 node\(s\) x 8 process\(es\) \(--nnodes 2:4\).*16, 24, 32 processes.*train.batch_size=96"):
+    with pytest.raises(
+        ConfigError, match=r"3 node\(s\) x 8 process\(es\) \(--nnodes 2:4\).*16, 24, 32 processes.*train.batch_size=96"
+    ):
         check_world_range(cfg, "2:4", 8)  # 24 processes do not split 64
     with pytest.raises(ConfigError) as e:
         check_world_range(load_config(None, ["train.batch_size=64"]), "2:3", 1)
-    assert "\n" not in str(e.value) and "3 node(s) x 1 process(es) (--nnodes 2:3)" in str(e.value) and "train.batch_size=66" in str(e.value)
+    assert (
+        "\n" not in str(e.value)
+        and "3 node(s) x 1 process(es) (--nnodes 2:3)" in str(e.value)
+        and "train.batch_size=66" in str(e.value)
+    )
     check_world_range(load_config(None, ["train.batch_size=96"]), "2:3", 1)
     check_world_range(load_config(None, ["train.batch_size=96"]), "4", 8)
     for bad in ("0:2", "3:2", "two", "2:"):
@@ -168,27 +187,66 @@ def test_every_size_of_an_elastic_range_must_split_the_batch():
 
 
 def test_trainer_check_refuses_a_range_in_one_line():
-    p = run(trainer_cmd("check", "--config", "configs/smoke.yaml", "--nnodes", "2:3", "train.batch_size=64"), check=False)
-    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "every size the elastic job may take" in p.stderr, p.stderr
-    ok = run(trainer_cmd("check", "--config", "configs/smoke.yaml", "--nnodes", "2:3", "train.batch_size=96", "data.name=synthetic"), check=False)
+    p = run(
+        trainer_cmd("check", "--config", "configs/smoke.yaml", "--nnodes", "2:3", "train.batch_size=64"), check=False
+    )
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "every size the elastic job may take" in p.stderr, (
+        p.stderr
+    )
+    ok = run(
+        trainer_cmd(
+            "check", "--config", "configs/smoke.yaml", "--nnodes", "2:3", "train.batch_size=96", "data.name=synthetic"
+        ),
+        check=False,
+    )
     assert ok.returncode == 0 and ok.stdout.strip() == "ok", ok.stderr
 
 
 # Every rule about values that cannot work together, with overrides that break it on any machine
 # (a CPU-only node included), and words of its error.
 COMBINATIONS = {
-    "nesterov without momentum": (["optim.momentum=0", "optim.nesterov=true"], "optim.nesterov=true needs optim.momentum > 0"),
-    "compile with dp": (["model.compile=true", "train.strategy=dp"], "model.compile=true does not work with train.strategy=dp"),
-    "lookahead with fsdp": (["train.strategy=fsdp", "optim.lookahead_every=5"], "optim.lookahead_every (Lookahead) does not work with train.strategy=fsdp"),
-    "fused with fsdp": (["train.strategy=fsdp", "optim.impl=fused"], "optim.impl=fused does not run on fsdp's sharded parameters"),
+    "nesterov without momentum": (
+        ["optim.momentum=0", "optim.nesterov=true"],
+        "optim.nesterov=true needs optim.momentum > 0",
+    ),
+    "compile with dp": (
+        ["model.compile=true", "train.strategy=dp"],
+        "model.compile=true does not work with train.strategy=dp",
+    ),
+    "lookahead with fsdp": (
+        ["train.strategy=fsdp", "optim.lookahead_every=5"],
+        "optim.lookahead_every (Lookahead) does not work with train.strategy=fsdp",
+    ),
+    "fused with fsdp": (
+        ["train.strategy=fsdp", "optim.impl=fused"],
+        "optim.impl=fused does not run on fsdp's sharded parameters",
+    ),
     "fused on the cpu": (["train.strategy=cpu", "optim.impl=fused"], "optim.impl=fused needs CUDA"),
-    "gpu decode on the cpu": (["train.strategy=cpu", "data.decode=gpu"], "data.decode=gpu needs a CUDA GPU and this run is on the CPU"),
-    "nccl in one process": (["train.strategy=single", "dist.backend=nccl"], "dist.backend=nccl needs train.strategy=ddp or fsdp under torchrun"),
+    "gpu decode on the cpu": (
+        ["train.strategy=cpu", "data.decode=gpu"],
+        "data.decode=gpu needs a CUDA GPU and this run is on the CPU",
+    ),
+    "nccl in one process": (
+        ["train.strategy=single", "dist.backend=nccl"],
+        "dist.backend=nccl needs train.strategy=ddp or fsdp under torchrun",
+    ),
     "nccl on the cpu": (["train.device=cpu", "dist.backend=nccl"], "dist.backend=nccl needs CUDA GPUs"),
-    "bf16 weights without autocast": (["train.precision=fp32", "train.param_dtype=bf16"], "train.param_dtype=bf16 needs bf16 autocast"),
-    "bf16 weights with fsdp": (["train.precision=bf16", "train.param_dtype=bf16", "train.strategy=fsdp"], "train.param_dtype=bf16 does not work with train.strategy="),
-    "bf16 weights with adamw": (["train.precision=bf16", "train.param_dtype=bf16", "optim.name=adamw"], "master weights with SGD only"),
-    "bf16 weights with lookahead": (["train.precision=bf16", "train.param_dtype=bf16", "optim.lookahead_every=4"], "does not work with Lookahead"),
+    "bf16 weights without autocast": (
+        ["train.precision=fp32", "train.param_dtype=bf16"],
+        "train.param_dtype=bf16 needs bf16 autocast",
+    ),
+    "bf16 weights with fsdp": (
+        ["train.precision=bf16", "train.param_dtype=bf16", "train.strategy=fsdp"],
+        "train.param_dtype=bf16 does not work with train.strategy=",
+    ),
+    "bf16 weights with adamw": (
+        ["train.precision=bf16", "train.param_dtype=bf16", "optim.name=adamw"],
+        "master weights with SGD only",
+    ),
+    "bf16 weights with lookahead": (
+        ["train.precision=bf16", "train.param_dtype=bf16", "optim.lookahead_every=4"],
+        "does not work with Lookahead",
+    ),
 }
 
 
@@ -203,7 +261,11 @@ def unvalidated(overrides: list[str]) -> Config:
     cfg = Config()
     for key, value in (o.split("=", 1) for o in overrides):
         section, name = key.split(".")
-        setattr(getattr(cfg, section), name, {"true": True, "false": False}.get(value, int(value) if value.isdigit() else value))
+        setattr(
+            getattr(cfg, section),
+            name,
+            {"true": True, "false": False}.get(value, int(value) if value.isdigit() else value),
+        )
     return cfg
 
 
@@ -221,16 +283,32 @@ def test_trainer_check_refuses_what_a_worker_would(case):
 
 
 def test_trainer_launch_stops_on_a_rule_before_torchrun_starts(tmp_path):
-    p = run(trainer_cmd("launch", "--nproc-per-node", "2", "--config", "configs/smoke.yaml", "train.strategy=fsdp", "optim.lookahead_every=5",
-                        f"checkpoint.dir={tmp_path / 'ck'}"), check=False, timeout=60)
-    assert p.returncode == 2 and "torchrun" not in p.stderr and "does not work with train.strategy=fsdp" in p.stderr, p.stderr
+    p = run(
+        trainer_cmd(
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--config",
+            "configs/smoke.yaml",
+            "train.strategy=fsdp",
+            "optim.lookahead_every=5",
+            f"checkpoint.dir={tmp_path / 'ck'}",
+        ),
+        check=False,
+        timeout=60,
+    )
+    assert p.returncode == 2 and "torchrun" not in p.stderr and "does not work with train.strategy=fsdp" in p.stderr, (
+        p.stderr
+    )
     assert not (tmp_path / "ck").exists()
 
 
 def test_the_torchvision_model_list_is_the_installed_torchvisions():
     from trainer.config import TORCHVISION_MODELS, torchvision_names
 
-    assert list(TORCHVISION_MODELS) == torchvision_names(), "torchvision's models changed: update TORCHVISION_MODELS in trainer/config.py"
+    assert list(TORCHVISION_MODELS) == torchvision_names(), (
+        "torchvision's models changed: update TORCHVISION_MODELS in trainer/config.py"
+    )
 
 
 def test_a_number_in_e_notation_without_a_dot_is_a_number():

@@ -32,7 +32,9 @@ def test_native_lines_and_their_backtraces_leave_the_console_and_the_projects_st
     relay = Relay(io.BytesIO(LOST_STORE), tmp_path / "run" / "native-stderr.txt", console).start()
     relay.join()
     assert console.getvalue().decode().splitlines() == [
-        "epoch 2/4 step 40/97 loss 1.2345 5,000 img/s eta 0m30s", "rank 1 (node2) lost rank 0 (node1) at step 137: torchrun goes back to its rendezvous to re-form the group"]
+        "epoch 2/4 step 40/97 loss 1.2345 5,000 img/s eta 0m30s",
+        "rank 1 (node2) lost rank 0 (node1) at step 137: torchrun goes back to its rendezvous to re-form the group",
+    ]
     kept = (tmp_path / "run" / "native-stderr.txt").read_bytes()
     assert relay.diverted == 8 and kept.count(b"frame #") == 3 and b"failed (exitcode: -9)" in kept
     assert not NATIVE.match(b"Warning: a Python warning stays\n") and not NATIVE.match(b"error: train.batch_size ...\n")
@@ -44,8 +46,25 @@ def test_torchs_native_lines_of_a_real_run_go_to_the_run_folder(tmp_path):
     socket and reducer lines from every process) and torchrun's banner (no OMP_NUM_THREADS)."""
     e = env(TORCH_CPP_LOG_LEVEL="INFO")
     e.pop("OMP_NUM_THREADS")
-    p = run([sys.executable, "-m", "trainer", "torchrun", "--standalone", "--nproc-per-node=2", "-m", "trainer", "train",
-             "--config", "configs/smoke.yaml", "train.epochs=1", "train.plot=false", f"checkpoint.dir={tmp_path}"], env=e)
+    p = run(
+        [
+            sys.executable,
+            "-m",
+            "trainer",
+            "torchrun",
+            "--standalone",
+            "--nproc-per-node=2",
+            "-m",
+            "trainer",
+            "train",
+            "--config",
+            "configs/smoke.yaml",
+            "train.epochs=1",
+            "train.plot=false",
+            f"checkpoint.dir={tmp_path}",
+        ],
+        env=e,
+    )
     assert "done: step 32" in p.stdout + p.stderr
     assert not [line for line in p.stderr.splitlines() if NATIVE.match(line.encode())], p.stderr[-3000:]
     kept = (tmp_path / "native-stderr.txt").read_text()

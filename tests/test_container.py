@@ -33,8 +33,11 @@ CA = "/etc/ssl/certs/ca-certificates.crt"
 COMPOSE_V1 = ROOT / ".venv-compose-v1" / "bin" / "docker-compose"
 USER = 1000
 # 2,048 real training images on 2 CPU processes: 32 steps an epoch, about a second each
-SMALL = {"model": {"name": "tinynet"}, "data": {"train_subset": 2048, "test_subset": 512},
-         "train": {"batch_size": 64, "log_every": 8, "epochs": 1}}
+SMALL = {
+    "model": {"name": "tinynet"},
+    "data": {"train_subset": 2048, "test_subset": 512},
+    "train": {"batch_size": 64, "log_every": 8, "epochs": 1},
+}
 
 
 def sh(cmd: list[str], timeout: float = 600, **kw) -> subprocess.CompletedProcess:
@@ -79,11 +82,31 @@ def data() -> Path:
     return folder
 
 
-def docker_run(image: str, ck: Path, *args: str, user: str = f"{USER}:{USER}", extra: tuple[str, ...] = ()) -> list[str]:
+def docker_run(
+    image: str, ck: Path, *args: str, user: str = f"{USER}:{USER}", extra: tuple[str, ...] = ()
+) -> list[str]:
     # the README's `docker run`, on the CPU, with the CIFAR-10 JPEGs as /data
-    return [ENGINE, "run", "--shm-size", "1g", "-u", user, *extra, "-v", f"{data()}:/data:ro",
-            "-v", f"{ck}:/checkpoints", image, "--config", "configs/smoke.yaml", "data.name=imagefolder",
-            "model.name=tinynet", "data.train_subset=2048", "data.test_subset=512", *args]
+    return [
+        ENGINE,
+        "run",
+        "--shm-size",
+        "1g",
+        "-u",
+        user,
+        *extra,
+        "-v",
+        f"{data()}:/data:ro",
+        "-v",
+        f"{ck}:/checkpoints",
+        image,
+        "--config",
+        "configs/smoke.yaml",
+        "data.name=imagefolder",
+        "model.name=tinynet",
+        "data.train_subset=2048",
+        "data.test_subset=512",
+        *args,
+    ]
 
 
 def test_folders_made_as_the_caller_train_resume_and_a_stop_gives_75(image, host):
@@ -138,8 +161,12 @@ def test_a_uid_with_no_passwd_entry_and_no_writable_home_trains(image, host):
     ck = host / "checkpoints"
     ck.mkdir()
     os.chown(ck, 54321, 0)
-    p = sh(docker_run(image, ck, "train.epochs=1", "train.plot=true", user="54321:0", extra=("--passwd=false", "-e", "HOME=/")),
-           timeout=300)
+    p = sh(
+        docker_run(
+            image, ck, "train.epochs=1", "train.plot=true", user="54321:0", extra=("--passwd=false", "-e", "HOME=/")
+        ),
+        timeout=300,
+    )
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-3000:]
     assert (ck / "curves.png").stat().st_size > 0 and done(ck) == [32]
@@ -151,7 +178,11 @@ def test_a_uid_with_no_passwd_entry_and_no_writable_home_trains(image, host):
 def docker_api():
     # podman's Docker-compatible API, for the v1 client (which speaks only that)
     sock = Path(tempfile.mkdtemp(prefix="podman-api-")) / "podman.sock"
-    service = subprocess.Popen([ENGINE, "system", "service", "--time=0", f"unix://{sock}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    service = subprocess.Popen(
+        [ENGINE, "system", "service", "--time=0", f"unix://{sock}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 30
     while not sock.exists() and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -171,7 +202,11 @@ def test_compose_up_trains_on_the_cpu_and_a_second_up_resumes(image, host, clien
         (configs / f"ct-{epochs}.yaml").write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "CONFIGS": str(configs), "USER_ID": str(USER), "GROUP_ID": str(USER)}
     if client == "podman-compose":
-        compose = [str(ROOT / ".venv" / "bin" / "podman-compose"), "-f", "docker-compose.yml"]  # no GPUs: the base file alone
+        compose = [
+            str(ROOT / ".venv" / "bin" / "podman-compose"),
+            "-f",
+            "docker-compose.yml",
+        ]  # no GPUs: the base file alone
     else:
         compose = [str(COMPOSE_V1), "-f", "docker-compose.yml"]
         env["DOCKER_HOST"] = request.getfixturevalue("docker_api")
@@ -180,8 +215,22 @@ def test_compose_up_trains_on_the_cpu_and_a_second_up_resumes(image, host, clien
 
     def up(config: str) -> str:
         # through `make compose-up` (its mkdir, its variables), with this client
-        p = sh(["make", "-s", "compose-up", f"COMPOSE={' '.join(compose)}", f"IMAGE={image}", f"CONFIG=configs/{config}",
-                f"DATA={data()}", f"CHECKPOINTS={ck}", "NPROC=2"], timeout=600, cwd=ROOT, env=env)
+        p = sh(
+            [
+                "make",
+                "-s",
+                "compose-up",
+                f"COMPOSE={' '.join(compose)}",
+                f"IMAGE={image}",
+                f"CONFIG=configs/{config}",
+                f"DATA={data()}",
+                f"CHECKPOINTS={ck}",
+                "NPROC=2",
+            ],
+            timeout=600,
+            cwd=ROOT,
+            env=env,
+        )
         out = p.stdout + p.stderr
         assert p.returncode == 0, out[-4000:]
         return out
@@ -212,8 +261,13 @@ def registry(tmp_path):
     """A real registry (Debian's docker-registry, the distribution project's server) on localhost."""
     port = free_port()
     config = tmp_path / "registry.yml"
-    config.write_text(f"version: 0.1\nstorage:\n  filesystem:\n    rootdirectory: {tmp_path / 'store'}\nhttp:\n  addr: 127.0.0.1:{port}\n")
-    server = subprocess.Popen(["docker-registry", "serve", str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    config.write_text(
+        f"version: 0.1\nstorage:\n  filesystem:\n    rootdirectory: {tmp_path / 'store'}\nhttp:\n  addr: "
+        f"127.0.0.1:{port}\n"
+    )
+    server = subprocess.Popen(
+        ["docker-registry", "serve", str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and sh(["curl", "-sf", f"http://127.0.0.1:{port}/v2/"]).returncode != 0:
         time.sleep(0.2)
@@ -226,22 +280,48 @@ def test_make_push_publishes_the_image_and_prints_the_registrys_digest(registry)
     # a small local image stands in for the trainer's (5.9 GB): the target's tagging, pushing and
     # digest are what is tested
     small = "localhost/debian-minbase:bookworm"
-    p = sh(["make", "-s", "push", f"ENGINE={ENGINE}", f"IMAGE={small}", f"REGISTRY={registry}/team", "VERSION=t1",
-            "PUSH_FLAGS=--tls-verify=false"], cwd=ROOT)
+    p = sh(
+        [
+            "make",
+            "-s",
+            "push",
+            f"ENGINE={ENGINE}",
+            f"IMAGE={small}",
+            f"REGISTRY={registry}/team",
+            "VERSION=t1",
+            "PUSH_FLAGS=--tls-verify=false",
+        ],
+        cwd=ROOT,
+    )
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-    digest = re.search(rf"^by digest: ({re.escape(registry)}/team/cluster-trainer@(sha256:[0-9a-f]{{64}}))$", p.stdout, re.M)
+    digest = re.search(
+        rf"^by digest: ({re.escape(registry)}/team/cluster-trainer@(sha256:[0-9a-f]{{64}}))$", p.stdout, re.M
+    )
     assert digest and f"pushed {registry}/team/cluster-trainer:t1" in p.stdout, p.stdout
     accept = "application/vnd.oci.image.manifest.v1+json, application/vnd.docker.distribution.manifest.v2+json"
-    head = sh(["curl", "-sfI", "-H", f"Accept: {accept}", f"http://{registry.replace('localhost', '127.0.0.1')}/v2/team/cluster-trainer/manifests/t1"])
-    assert f"docker-content-digest: {digest.group(2)}" in head.stdout.lower(), head.stdout  # the digest the registry serves
-    render = sh([sys.executable, str(ROOT / "k8s" / "render.py"), "--image", digest.group(1), "--nodes", "2", "--gpus", "1"],
-                input=yaml.safe_dump_all(yaml.safe_load_all(sh(["kubectl", "kustomize", "k8s/multi-node"], cwd=ROOT).stdout)))
+    head = sh(
+        [
+            "curl",
+            "-sfI",
+            "-H",
+            f"Accept: {accept}",
+            f"http://{registry.replace('localhost', '127.0.0.1')}/v2/team/cluster-trainer/manifests/t1",
+        ]
+    )
+    # the digest the registry serves
+    assert f"docker-content-digest: {digest.group(2)}" in head.stdout.lower(), head.stdout
+    render = sh(
+        [sys.executable, str(ROOT / "k8s" / "render.py"), "--image", digest.group(1), "--nodes", "2", "--gpus", "1"],
+        input=yaml.safe_dump_all(yaml.safe_load_all(sh(["kubectl", "kustomize", "k8s/multi-node"], cwd=ROOT).stdout)),
+    )
     assert render.returncode == 0 and digest.group(1) in render.stdout, render.stderr
 
 
 def test_make_push_without_a_registry_says_so_in_one_line():
     p = sh(["make", "-s", "push", f"ENGINE={ENGINE}"], cwd=ROOT)
-    assert p.returncode != 0 and p.stderr.startswith("error: make push needs REGISTRY=") and p.stderr.count("error") == 1, p.stderr
+    assert (
+        p.returncode != 0 and p.stderr.startswith("error: make push needs REGISTRY=") and p.stderr.count("error") == 1
+    ), p.stderr
 
 
 def test_the_image_carries_bytecode_and_runs_as_a_pod_does(image, host):
@@ -251,10 +331,31 @@ def test_the_image_carries_bytecode_and_runs_as_a_pod_does(image, host):
     ck = host / "checkpoints"
     ck.mkdir()
     os.chown(ck, 10001, 10001)
-    pod = ("--read-only", "--tmpfs", "/tmp", "--tmpfs", "/home/trainer:mode=1777", "--cap-drop=ALL", "--security-opt=no-new-privileges")
-    cached = sh([ENGINE, "run", "--rm", *pod, "--entrypoint", "python", image, "-c",
-                 "import importlib.util, os, torch, etcd; print(os.path.exists(importlib.util.cache_from_source(torch.__file__)), os.getuid())"])
-    assert cached.stdout.split() == ["True", "10001"], cached.stdout + cached.stderr  # python-etcd too: k8s/elastic-etcd's rendezvous
+    pod = (
+        "--read-only",
+        "--tmpfs",
+        "/tmp",
+        "--tmpfs",
+        "/home/trainer:mode=1777",
+        "--cap-drop=ALL",
+        "--security-opt=no-new-privileges",
+    )
+    cached = sh(
+        [
+            ENGINE,
+            "run",
+            "--rm",
+            *pod,
+            "--entrypoint",
+            "python",
+            image,
+            "-c",
+            "import importlib.util, os, torch, etcd; "
+            "print(os.path.exists(importlib.util.cache_from_source(torch.__file__)), os.getuid())",
+        ]
+    )
+    # python-etcd too: k8s/elastic-etcd's rendezvous
+    assert cached.stdout.split() == ["True", "10001"], cached.stdout + cached.stderr
     cmd = docker_run(image, ck, "train.epochs=1", user="10001:10001", extra=pod)
     p = sh(cmd, timeout=300)
     assert p.returncode == 0 and done(ck) == [32], (p.stdout + p.stderr)[-3000:]

@@ -110,7 +110,11 @@ def test_concurrent_processes_share_one_decode(tmp_path):
         assert p.exitcode == 0
     assert len({q.get() for _ in procs}) == 1
     cache = tmp_path / ".data-cache"
-    assert len(list(cache.glob("*.uint8.pt"))) == 1 and not list(cache.glob(".*.tmp")) and not list(root.glob("*.uint8.pt"))
+    assert (
+        len(list(cache.glob("*.uint8.pt"))) == 1
+        and not list(cache.glob(".*.tmp"))
+        and not list(root.glob("*.uint8.pt"))
+    )
 
 
 def test_data_command_prepares_the_cache(tmp_path):
@@ -119,18 +123,27 @@ def test_data_command_prepares_the_cache(tmp_path):
     assert "12 train and 12 test images" in p.stdout
 
 
-
 @pytest.mark.parametrize("damage", ["truncated", "not a tar"])
 def test_a_broken_archive_is_one_line_and_exit_2_for_check_and_launch(tmp_path, damage):
     root = tarballs(tmp_path, per_class=40)
     f = root / "set-train.tar.gz"
-    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2] if damage == "truncated" else b"<html>404 not found</html>" * 50)
+    f.write_bytes(
+        f.read_bytes()[: f.stat().st_size // 2] if damage == "truncated" else b"<html>404 not found</html>" * 50
+    )
     args = ["data.name=imagefolder", f"data.dir={root}", f"checkpoint.dir={tmp_path / 'ck'}"]
-    for cmd in (trainer_cmd("check", *args), trainer_cmd("launch", "--nproc-per-node", "1", *args), trainer_cmd("data", *args)):
+    for cmd in (
+        trainer_cmd("check", *args),
+        trainer_cmd("launch", "--nproc-per-node", "1", *args),
+        trainer_cmd("data", *args),
+    ):
         p = run(cmd, check=False)
         assert p.returncode == 2, (cmd, p.stdout, p.stderr)
         errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
-        assert len(errors) == 1 and "set-train.tar.gz is not a complete .tar.gz archive" in errors[0] and "copy it again" in errors[0], p.stderr
+        assert (
+            len(errors) == 1
+            and "set-train.tar.gz is not a complete .tar.gz archive" in errors[0]
+            and "copy it again" in errors[0]
+        ), p.stderr
         assert "Traceback" not in p.stderr and "Aborted" not in p.stderr + p.stdout
 
 
@@ -150,7 +163,9 @@ def test_a_folder_of_only_unreadable_images_says_so(tmp_path):
     root = make_folder(tmp_path / "d")
     for f in (root / "train").rglob("*.*"):
         f.write_bytes(b"not an image")
-    with pytest.raises(ConfigError, match=r"train: none of its 12 image files could be decoded \(first: .*\); replace them"):
+    with pytest.raises(
+        ConfigError, match=r"train: none of its 12 image files could be decoded \(first: .*\); replace them"
+    ):
         data.load(cfg_for(root, tmp_path))
 
 
@@ -195,11 +210,16 @@ def test_grayscale_cmyk_and_transparent_images_load_as_rgb(tmp_path, warned):
 def test_classes_that_differ_or_an_empty_class_folder_are_one_line(tmp_path):
     root = make_folder(tmp_path / "d")
     (root / "test" / "red").rename(root / "test" / "rouge")
-    with pytest.raises(ConfigError, match=r"different classes \(only in train: red; only in test: rouge\); give both the same class folders"):
+    with pytest.raises(
+        ConfigError,
+        match=r"different classes \(only in train: red; only in test: rouge\); give both the same class folders",
+    ):
         data.load(cfg_for(root, tmp_path))
     root = make_folder(tmp_path / "e")
     (root / "train" / "purple").mkdir()
-    with pytest.raises(ConfigError, match=r"class folder .*train/purple holds no images .*; add images or remove the folder"):
+    with pytest.raises(
+        ConfigError, match=r"class folder .*train/purple holds no images .*; add images or remove the folder"
+    ):
         data.load(cfg_for(root, tmp_path))
 
 
@@ -212,9 +232,15 @@ def test_the_path_is_decided_by_the_decoded_size_against_the_memory(tmp_path, mo
     need = 60 * 3 * 40 * 40
     assert not data.plan(cfg, need * 10 * 3, 1).stream  # 40 % of it is room enough
     small = data.plan(cfg_for(tmp_path / "sh", tmp_path, "data.name=shards"), need * 2, 1)
-    assert small.stream and "streamed from shards, JPEGs decoded by the CPU workers" in small.path_why and "GiB decoded > 40% of the GPU's" in small.path_why
+    assert (
+        small.stream
+        and "streamed from shards, JPEGs decoded by the CPU workers" in small.path_why
+        and "GiB decoded > 40% of the GPU's" in small.path_why
+    )
     monkeypatch.setattr(data, "DATA_MEMORY_SHARE", 1e-9)  # a folder too large for memory: shard it first
-    with pytest.raises(ConfigError, match=r"needs .* GiB decoded, more than .*; shard it once with `trainer data --shards OUT"):
+    with pytest.raises(
+        ConfigError, match=r"needs .* GiB decoded, more than .*; shard it once with `trainer data --shards OUT"
+    ):
         data.plan(cfg_for(root, tmp_path), None, 1)
     with pytest.raises(ConfigError, match="data.loader=stream reads shards"):
         data.plan(cfg_for(root, tmp_path, "data.loader=stream"), None, 1)
@@ -225,13 +251,26 @@ def test_a_checkpoint_of_other_classes_is_refused_by_resume_and_eval_in_one_line
     b = make_folder(tmp_path / "b", per_class=12)
     for split in ("train", "test"):
         (b / split / "red").rename(b / split / "yellow")
-    job = ["--config", "configs/smoke.yaml", "data.name=imagefolder", "train.epochs=1", "train.batch_size=12", f"checkpoint.dir={tmp_path / 'ck'}"]
+    job = [
+        "--config",
+        "configs/smoke.yaml",
+        "data.name=imagefolder",
+        "train.epochs=1",
+        "train.batch_size=12",
+        f"checkpoint.dir={tmp_path / 'ck'}",
+    ]
     run(trainer_cmd("train", *job, f"data.dir={a}"))
-    for cmd in (trainer_cmd("train", *job, f"data.dir={b}"), trainer_cmd("eval", str(tmp_path / "ck"), f"data.dir={b}")):
+    for cmd in (
+        trainer_cmd("train", *job, f"data.dir={b}"),
+        trainer_cmd("eval", str(tmp_path / "ck"), f"data.dir={b}"),
+    ):
         p = run(cmd, check=False)
         errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
         assert p.returncode == 2 and len(errors) == 1, (cmd, p.stderr)
-        assert "was trained on other classes ('red' is 'yellow' here); point data.dir at the data it was trained on" in errors[0]
+        assert (
+            "was trained on other classes ('red' is 'yellow' here); point data.dir at the data it was trained on"
+            in errors[0]
+        )
     p = run(trainer_cmd("eval", str(tmp_path / "ck"), f"data.dir={a}"))
     assert "test accuracy" in p.stdout
 

@@ -19,7 +19,11 @@ def anchors(text: str) -> set[str]:
 def test_readme_is_short_and_its_first_screen_shows_every_launcher_with_its_command():
     lines = (ROOT / "README.md").read_text().splitlines()
     assert len(lines) <= 200, len(lines)
-    assert lines[2:6] == ["```bash", lines[3], lines[4], "```"] and lines[3].startswith("make run-local") and lines[4].startswith("make test")
+    assert (
+        lines[2:6] == ["```bash", lines[3], lines[4], "```"]
+        and lines[3].startswith("make run-local")
+        and lines[4].startswith("make test")
+    )
     first = "\n".join(lines[:40])
     for where in ("this machine", "Docker", "Trainer v2", "PyTorchJob", "TorchX", "Slurm"):
         assert re.search(rf"^\| [^|]*{where}[^|]* \| `[^`]+` \| \[", first, re.M), where
@@ -40,7 +44,9 @@ def test_every_link_between_the_docs_reaches_a_file_and_a_heading():
 def bash_blocks(text: str, after: str) -> list[str]:
     """The command lines of the bash blocks that follow the heading ``after``, up to the next heading."""
     section = text.split(after, 1)[1].split("\n## ", 1)[0]
-    return [line for block in re.findall(r"```bash\n(.*?)```", section, re.S) for line in block.splitlines() if line.strip()]
+    return [
+        line for block in re.findall(r"```bash\n(.*?)```", section, re.S) for line in block.splitlines() if line.strip()
+    ]
 
 
 @pytest.mark.slow
@@ -56,19 +62,27 @@ def test_your_images_three_commands_to_a_served_model_run_as_written(tmp_path):
     from trainer.worker import models
 
     lines = bash_blocks((ROOT / "docs" / "your-images.md").read_text(), "## From a pretrained model to one you serve")
-    assert [line.split()[:2] for line in lines] == [["trainer", "data"], ["trainer", "train"], ["trainer", "export"], ["trainer", "predict"],
-                                                     ["trainer", "eval"]], lines
+    assert [line.split()[:2] for line in lines] == [
+        ["trainer", "data"],
+        ["trainer", "train"],
+        ["trainer", "export"],
+        ["trainer", "predict"],
+        ["trainer", "eval"],
+    ], lines
     make_jpegs(tmp_path / "myset", train=20, test=4)
     shutil.copytree(ROOT / "configs", tmp_path / "configs")
     hub = tmp_path / "torch" / "hub" / "checkpoints"
     hub.mkdir(parents=True)
-    torch.save(models.build("resnet50", 1000, 224).state_dict(), hub / "resnet50-11ad3fa6.pth")  # DEFAULT: IMAGENET1K_V2's file
+    # DEFAULT: IMAGENET1K_V2's file
+    torch.save(models.build("resnet50", 1000, 224).state_dict(), hub / "resnet50-11ad3fa6.pth")
     e = env(TORCH_HOME=str(tmp_path / "torch"))
     out = {}
     for line in lines:
         out[line] = run(["bash", "-c", line], cwd=tmp_path, env=e, timeout=900)
     train = out[lines[1]].stdout
-    assert "resnet50 |" in train and "weights ResNet50_Weights.IMAGENET1K_V2 (normalised by mean 0.485" in train, train[-2000:]
+    assert "resnet50 |" in train and "weights ResNet50_Weights.IMAGENET1K_V2 (normalised by mean 0.485" in train, train[
+        -2000:
+    ]
     assert "largest logit difference from PyTorch" in out[lines[2]].stderr and (tmp_path / "myset.onnx").is_file()
     assert len((tmp_path / "predictions.csv").read_text().splitlines()) == 1 + 40
     assert (tmp_path / "report" / "confusion.png").is_file() and "accuracy (recall)" in out[lines[4]].stdout

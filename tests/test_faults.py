@@ -36,13 +36,29 @@ from conftest import (
 pytestmark = pytest.mark.slow
 
 STEPS = 32  # 2 epochs x 16 steps
-JOB = [*TINY, "train.epochs=2", "checkpoint.every_steps=3", "train.log_every=1", "optim.momentum=0.9", "data.crop_padding=4", "checkpoint.keep=20"]
+JOB = [
+    *TINY,
+    "train.epochs=2",
+    "checkpoint.every_steps=3",
+    "train.log_every=1",
+    "optim.momentum=0.9",
+    "data.crop_padding=4",
+    "checkpoint.keep=20",
+]
 LINE = re.compile(r"epoch (\d+)/\d+ step (\d+)/(\d+)")
 
 
 def start(ckpt: Path, *overrides: str, restarts: int = 2, extra_env: dict | None = None) -> subprocess.Popen:
     cmd = torchrun_cmd(2, "train", *JOB, f"checkpoint.dir={ckpt}", *overrides, max_restarts=restarts)
-    return subprocess.Popen(cmd, cwd=ROOT, env=env(**(extra_env or {})), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    return subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env(**(extra_env or {})),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+    )
 
 
 def global_step(line: str) -> int | None:
@@ -67,6 +83,7 @@ def drive(agent: subprocess.Popen, on_line=None, timeout: float = 300) -> str:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict[str, torch.Tensor]:
     """The uninterrupted run every faulted run must reproduce bit for bit."""
+
     def make(ckpt: Path) -> None:
         out = drive(start(ckpt))
         assert f"done: step {STEPS}" in out, out
@@ -160,7 +177,9 @@ def test_sigterm_during_a_save(tmp_path, reference, save_step):
         watcher.join()
         assert sent, out[-2000:]
         stopped = re.search(r"stopped by SIGTERM at step (\d+)", out)
-        assert stopped and (ckpt / f"step-{save_step}").is_dir() and (ckpt / f"step-{stopped.group(1)}").is_dir(), out[-2000:]
+        assert stopped and (ckpt / f"step-{save_step}").is_dir() and (ckpt / f"step-{stopped.group(1)}").is_dir(), out[
+            -2000:
+        ]
         run(torchrun_cmd(2, "train", *JOB, f"checkpoint.dir={ckpt}"))
         assert same(weights(newest(ckpt)), reference)
 
@@ -249,12 +268,37 @@ def bad_cases(tmp_path: Path) -> list[tuple[str, str, list[str], str]]:
         ("unknown config key", "train", ["train.epoks=2"], "did you mean train.epochs"),
         ("mistyped value", "train", ["train.epochs=two"], "train.epochs"),
         ("impossible value", "train", ["optim.lr=-0.1"], "optim.lr"),
-        ("batch smaller than the world size", "launch", ["--nproc-per-node=2", "train.batch_size=1"], "smaller than the world size 2"),
-        ("data folder missing", "train", ["data.name=imagefolder", f"data.dir={tmp_path / 'nowhere'}"], "does not exist"),
-        ("data folder without class folders", "train", ["data.name=imagefolder", f"data.dir={no_classes}"], "no class folders"),
+        (
+            "batch smaller than the world size",
+            "launch",
+            ["--nproc-per-node=2", "train.batch_size=1"],
+            "smaller than the world size 2",
+        ),
+        (
+            "data folder missing",
+            "train",
+            ["data.name=imagefolder", f"data.dir={tmp_path / 'nowhere'}"],
+            "does not exist",
+        ),
+        (
+            "data folder without class folders",
+            "train",
+            ["data.name=imagefolder", f"data.dir={no_classes}"],
+            "no class folders",
+        ),
         ("checkpoint of another model", "train", [f"checkpoint.resume={other_model}"], "holds model 'resnet18'"),
-        ("resume with another global batch", "launch", ["--nproc-per-node=2", "train.batch_size=64"], "count batches of 32"),
-        ("checkpoint of an incompatible shape", "train", [f"checkpoint.resume={wrong_shape}"], "does not fit model tinynet"),
+        (
+            "resume with another global batch",
+            "launch",
+            ["--nproc-per-node=2", "train.batch_size=64"],
+            "count batches of 32",
+        ),
+        (
+            "checkpoint of an incompatible shape",
+            "train",
+            [f"checkpoint.resume={wrong_shape}"],
+            "does not fit model tinynet",
+        ),
         ("file that is not a checkpoint", "train", [f"checkpoint.resume={junk}"], "not a trainer checkpoint"),
         ("resume path that does not exist", "train", [f"checkpoint.resume={tmp_path / 'step-7'}"], "does not exist"),
         ("unwritable checkpoint folder", "train", [f"checkpoint.dir={blocker}/ck"], "is not writable"),
@@ -272,7 +316,13 @@ def test_bad_input_exits_2_with_one_line_and_changes_nothing(tmp_path):
         snapshot = tree_files(tmp_path)
         p = run(trainer_cmd(sub, *TINY, f"checkpoint.dir={ckpt}", *args), check=False)
         lines = [line for line in p.stderr.splitlines() if line.startswith("error:")]
-        ok = p.returncode == 2 and len(lines) == 1 and words in lines[0] and "Traceback" not in p.stderr and tree_files(tmp_path) == snapshot
+        ok = (
+            p.returncode == 2
+            and len(lines) == 1
+            and words in lines[0]
+            and "Traceback" not in p.stderr
+            and tree_files(tmp_path) == snapshot
+        )
         record_fault(f"bad input: {case}", 1, int(ok))
         if not ok:
             failures.append(f"{case}: exit {p.returncode}, stderr {p.stderr[-600:]!r}")
@@ -293,9 +343,23 @@ def test_a_corrupt_image_is_skipped_with_a_warning(tmp_path):
 
     root = make_folder(tmp_path / "d", per_class=8)
     (root / "train" / "red" / "zz-broken.jpg").write_bytes(b"\xff\xd8\xff\xe0garbage")
-    p = run(trainer_cmd("train", "model.name=tinynet", "data.name=imagefolder", f"data.dir={root}", "train.batch_size=8", "train.epochs=1",
-                        f"checkpoint.dir={tmp_path / 'ck'}", "train.plot=false"))
-    ok = "skipped 1 unreadable image" in p.stderr and "zz-broken.jpg" in p.stderr and (tmp_path / "ck" / "step-3").is_dir()
+    p = run(
+        trainer_cmd(
+            "train",
+            "model.name=tinynet",
+            "data.name=imagefolder",
+            f"data.dir={root}",
+            "train.batch_size=8",
+            "train.epochs=1",
+            f"checkpoint.dir={tmp_path / 'ck'}",
+            "train.plot=false",
+        )
+    )
+    ok = (
+        "skipped 1 unreadable image" in p.stderr
+        and "zz-broken.jpg" in p.stderr
+        and (tmp_path / "ck" / "step-3").is_dir()
+    )
     record_fault("corrupt image file: skipped with a warning", 1, int(ok))
     assert ok, p.stderr[-2000:]
 
@@ -308,9 +372,13 @@ def test_a_malicious_checkpoint_is_refused_end_to_end(tmp_path):
     folder = store.write_state({"model": {"0.weight": torch.ones(1)}}, tmp_path / "evil", 1, 1, {"model": "tinynet"})
     payload = f"import os, pickle, sys\nclass E:\n    def __reduce__(self): return (os.system, ('touch {marker}',))\n"
     payload += "sys.stdout.buffer.write(pickle.dumps(E()))\n"
-    (folder / ".metadata").write_bytes(subprocess.run([sys.executable, "-c", payload], check=True, capture_output=True).stdout)
+    (folder / ".metadata").write_bytes(
+        subprocess.run([sys.executable, "-c", payload], check=True, capture_output=True).stdout
+    )
     reseal(folder)
-    p = run(trainer_cmd("train", *TINY, f"checkpoint.dir={tmp_path / 'ck'}", f"checkpoint.resume={folder}"), check=False)
+    p = run(
+        trainer_cmd("train", *TINY, f"checkpoint.dir={tmp_path / 'ck'}", f"checkpoint.resume={folder}"), check=False
+    )
     ok = p.returncode == 2 and "not a loadable trainer checkpoint" in p.stderr and not marker.exists()
     record_fault("malicious pickle in a checkpoint: refused, code not run", 1, int(ok))
     assert ok, p.stderr[-1500:]

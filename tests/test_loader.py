@@ -28,7 +28,9 @@ def indexed_split(n: int):
 
 def test_rank_shards_are_disjoint_cover_the_epoch_and_reshuffle():
     split, b, w = indexed_split(256), 16, 2
-    per_rank = [[i for batch in labels_of(DeviceLoader(split, rt(r, w), b, seed=0), 0) for i in batch] for r in range(w)]
+    per_rank = [
+        [i for batch in labels_of(DeviceLoader(split, rt(r, w), b, seed=0), 0) for i in batch] for r in range(w)
+    ]
     assert not set(per_rank[0]) & set(per_rank[1])
     assert sorted(per_rank[0] + per_rank[1]) == list(range(256))
     next_epoch = [i for batch in labels_of(DeviceLoader(split, rt(0, w), b, seed=0), 1) for i in batch]
@@ -83,7 +85,8 @@ def test_device_and_host_loaders_give_the_same_augmented_batches():
     for w in (1, 2):
         for r in range(w):
             aug = augment(cfg, r, w, 10, steps=300 // (10 * w))
-            chunked = DeviceLoader(split, rt(r, w), 10, seed=5, augment=aug, chunk_bytes=4 * 10 * 3 * 32 * 32 * 4)  # 4 steps a chunk
+            # 4 steps a chunk
+            chunked = DeviceLoader(split, rt(r, w), 10, seed=5, augment=aug, chunk_bytes=4 * 10 * 3 * 32 * 32 * 4)
             host = HostLoader(split, rt(r, w), 10, seed=5, num_workers=0, augment=aug)
             for epoch, start in ((0, 0), (1, 0), (1, 5)):
                 dev = list(chunked.epoch(epoch, start))
@@ -109,7 +112,9 @@ def test_mirror_is_folded_into_the_crop():
     mirror = torch.tensor([True, False, True, True, False, False])
     for reflect in (False, True):
         plain = random_crop(x, shift, 4, reflect)
-        assert torch.equal(random_crop(x, shift, 4, reflect, mirror), torch.where(mirror.view(-1, 1, 1, 1), plain.flip(3), plain))
+        assert torch.equal(
+            random_crop(x, shift, 4, reflect, mirror), torch.where(mirror.view(-1, 1, 1, 1), plain.flip(3), plain)
+        )
 
 
 def test_alternating_flip_mirrors_each_image_every_other_epoch():
@@ -194,7 +199,8 @@ def test_a_loader_worker_ignores_a_groups_sigterm_and_ends_at_its_parents_exit_a
         "    def __getitem__(self, i):\n"
         "        if i == 50: raise ValueError('bad input')\n"
         "        return os.getpid() if i == 0 else i\n"
-        "it = iter(DataLoader(D(), batch_size=None, num_workers=1, persistent_workers=True, worker_init_fn=quiet_worker))\n"
+        "it = iter(DataLoader(D(), batch_size=None, num_workers=1, persistent_workers=True, "
+        "worker_init_fn=quiet_worker))\n"
         "worker = next(it)\n"
         "subprocess.run(['kill', '-TERM', str(worker)], check=True)  # another process's SIGTERM, as torchrun's\n"
         "time.sleep(1)\n"
@@ -204,7 +210,8 @@ def test_a_loader_worker_ignores_a_groups_sigterm_and_ends_at_its_parents_exit_a
         "    for _ in it: pass\n"
         "except ValueError as e:\n"
         "    kept = e\n"
-        "    sys.exit(2)\n")
+        "    sys.exit(2)\n"
+    )
     t0 = time.monotonic()
     p = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "worker survived" in p.stdout, p.stdout + p.stderr

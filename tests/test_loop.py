@@ -39,7 +39,15 @@ def test_a_resumed_airnet_ends_as_the_straight_run_without_recomputing_its_white
 @pytest.mark.slow
 def test_async_checkpoints_under_ddp_keep_the_ranks_in_step(ckpt):
     """Only rank 0 has a background writer; the ranks must still make the same collectives."""
-    p = train(ckpt, "train.epochs=3", "checkpoint.async_save=true", "checkpoint.every_steps=5", "dist.timeout_s=60", nproc=2, timeout=240)
+    p = train(
+        ckpt,
+        "train.epochs=3",
+        "checkpoint.async_save=true",
+        "checkpoint.every_steps=5",
+        "dist.timeout_s=60",
+        nproc=2,
+        timeout=240,
+    )
     assert "done: step 48" in p.stdout
     assert {f"step-{s}" for s in (40, 45, 48)} <= {d.name for d in ckpt.iterdir()}
     rows = [json.loads(line) for line in (ckpt / "metrics.jsonl").read_text().splitlines()]
@@ -59,7 +67,14 @@ def test_resume_on_another_world_size_is_close(tmp_path):
 
 def test_run_folder_holds_config_metrics_curves_and_checkpoints(ckpt):
     train(ckpt, "train.epochs=2", "train.plot=true", "checkpoint.keep=1")
-    assert sorted(p.name for p in ckpt.iterdir()) == [".lock", "config.yaml", "curves.png", "metrics.jsonl", "step-32", "tensorboard"]
+    assert sorted(p.name for p in ckpt.iterdir()) == [
+        ".lock",
+        "config.yaml",
+        "curves.png",
+        "metrics.jsonl",
+        "step-32",
+        "tensorboard",
+    ]
     assert (ckpt / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = [json.loads(line) for line in (ckpt / "metrics.jsonl").read_text().splitlines()]
     epochs = [r for r in rows if r["event"] == "epoch"]
@@ -84,8 +99,13 @@ def test_plain_log_lines_when_not_a_terminal_and_a_bar_on_one(ckpt):
     plain = train(ckpt / "a", "train.epochs=1")
     assert "epoch 1/1 step 4/16 loss" in plain.stdout and "\r" not in plain.stdout
     leader, follower = pty.openpty()
-    p = subprocess.Popen(trainer_cmd("train", *TINY, f"checkpoint.dir={ckpt / 'b'}", "train.epochs=1"), stdout=follower,
-                         stderr=subprocess.DEVNULL, cwd=ROOT, env=env())
+    p = subprocess.Popen(
+        trainer_cmd("train", *TINY, f"checkpoint.dir={ckpt / 'b'}", "train.epochs=1"),
+        stdout=follower,
+        stderr=subprocess.DEVNULL,
+        cwd=ROOT,
+        env=env(),
+    )
     os.close(follower)
     out = b""
     while True:
@@ -117,16 +137,47 @@ def test_resume_errors_change_nothing(ckpt):
 
 @pytest.mark.slow
 def test_real_cifar10_jpegs_learn_far_above_chance(tmp_path, jpegs):
-    p = run(trainer_cmd("train", "model.name=tinynet", "data.name=imagefolder", f"data.dir={jpegs}", f"data.cache_dir={tmp_path / 'cache'}",
-                        "data.train_subset=10000", "data.test_subset=2000", "train.batch_size=64", "train.epochs=3", "optim.lr=0.05",
-                        "optim.weight_decay=0", "train.log_every=100", f"checkpoint.dir={tmp_path / 'ck'}", "train.plot=false"), timeout=900)
-    final = [r for r in map(json.loads, (tmp_path / "ck" / "metrics.jsonl").read_text().splitlines()) if r["event"] == "epoch"][-1]
+    p = run(
+        trainer_cmd(
+            "train",
+            "model.name=tinynet",
+            "data.name=imagefolder",
+            f"data.dir={jpegs}",
+            f"data.cache_dir={tmp_path / 'cache'}",
+            "data.train_subset=10000",
+            "data.test_subset=2000",
+            "train.batch_size=64",
+            "train.epochs=3",
+            "optim.lr=0.05",
+            "optim.weight_decay=0",
+            "train.log_every=100",
+            f"checkpoint.dir={tmp_path / 'ck'}",
+            "train.plot=false",
+        ),
+        timeout=900,
+    )
+    final = [
+        r
+        for r in map(json.loads, (tmp_path / "ck" / "metrics.jsonl").read_text().splitlines())
+        if r["event"] == "epoch"
+    ][-1]
     assert final["test_acc"] > 0.35, p.stdout  # chance is 0.10
 
 
 @pytest.mark.slow
 def test_launch_checks_then_runs_torchrun_with_two_cpu_processes(tmp_path):
-    p = run([sys.executable, "-m", "trainer", "launch", "--config", "configs/smoke.yaml", f"checkpoint.dir={tmp_path / 'ck'}", "train.epochs=1"])
+    p = run(
+        [
+            sys.executable,
+            "-m",
+            "trainer",
+            "launch",
+            "--config",
+            "configs/smoke.yaml",
+            f"checkpoint.dir={tmp_path / 'ck'}",
+            "train.epochs=1",
+        ]
+    )
     assert "--nproc-per-node=2" in p.stderr and "strategy ddp x2" in p.stdout
     assert (tmp_path / "ck" / "step-32").is_dir()
     bad = run([sys.executable, "-m", "trainer", "launch", "train.batch_size=0"], check=False)
@@ -171,12 +222,20 @@ def test_a_resumed_epochs_figures_say_they_cover_part_of_it(ckpt):
 def test_a_resume_from_an_epochs_last_step_only_evaluates_that_epoch(ckpt):
     """Killed after the epoch's last step was saved, before its evaluation: the resumed run has no
     training figures for that epoch to report, and says so instead of a loss of 0 at 0 img/s."""
-    killed = train(ckpt, "train.epochs=2", "checkpoint.every_steps=16", env=env(TRAINER_FAULT="batch@17:kill"), check=False)
+    killed = train(
+        ckpt, "train.epochs=2", "checkpoint.every_steps=16", env=env(TRAINER_FAULT="batch@17:kill"), check=False
+    )
     assert killed.returncode == -9 and (ckpt / "step-16").is_dir(), killed.stderr[-2000:]
     p = train(ckpt, "train.epochs=2")
     line = next(x for x in p.stdout.splitlines() if x.startswith("epoch 1/2 |"))
-    assert line.startswith("epoch 1/2 | train steps all done before the resume | test acc") and "img/s" not in line, p.stdout
-    first = next(json.loads(x) for x in (ckpt / "metrics.jsonl").read_text().splitlines() if '"epoch": 1,' in x and '"event": "epoch"' in x)
+    assert line.startswith("epoch 1/2 | train steps all done before the resume | test acc") and "img/s" not in line, (
+        p.stdout
+    )
+    first = next(
+        json.loads(x)
+        for x in (ckpt / "metrics.jsonl").read_text().splitlines()
+        if '"epoch": 1,' in x and '"event": "epoch"' in x
+    )
     assert first["steps"] == 0 and first["train_loss"] is None and first["test_acc"] is not None
     assert "epoch 2/2 | train loss" in p.stdout
 

@@ -17,8 +17,12 @@ def test_seednet_is_the_articles_network_layer_for_layer():
         x = torch.empty(1, 3, 32, 32)
         with FlopCounterMode(display=False) as counter:
             out = net(x)
-    convs = [(m.in_channels, m.out_channels, m.kernel_size, m.padding) for m in net.modules() if isinstance(m, nn.Conv2d)]
-    assert convs == [(a, b, (5, 5), (2, 2)) for a, b in [(3, 32), (32, 64), (64, 512), (512, 1024), (1024, 2048), (2048, 4096)]]
+    convs = [
+        (m.in_channels, m.out_channels, m.kernel_size, m.padding) for m in net.modules() if isinstance(m, nn.Conv2d)
+    ]
+    assert convs == [
+        (a, b, (5, 5), (2, 2)) for a, b in [(3, 32), (32, 64), (64, 512), (512, 1024), (1024, 2048), (2048, 4096)]
+    ]
     linears = [(m.in_features, m.out_features) for m in net.modules() if isinstance(m, nn.Linear)]
     assert linears == [(65536, 5000), (5000, 64), (64, 10)]
     assert sum(isinstance(m, nn.MaxPool2d) for m in net.modules()) == 3
@@ -92,5 +96,8 @@ def test_torchvision_models_by_name_with_the_datas_classes():
     assert vit.image_size == 96 and vit(torch.randn(1, 3, 96, 96)).shape == (1, 3)
     assert input_problem("resnet50", 64) is None and input_problem("vit_b_16", 96) is None
     problem = input_problem("seednet", 64)
-    assert problem.startswith("model.name=seednet cannot take data.image_size=64 images (") and "use data.image_size=32" in problem
+    assert (
+        problem.startswith("model.name=seednet cannot take data.image_size=64 images (")
+        and "use data.image_size=32" in problem
+    )
     assert "\n" not in input_problem("vit_b_16", 100)  # 16 px patches do not tile 100 px

@@ -14,11 +14,16 @@ def test_biases_learn_faster_with_the_same_decay_per_step():
     groups = param_groups(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), cfg)
     weights, others = groups
     assert len(weights["params"]) == 1 and len(others["params"]) == 3
-    assert others["lr"] == 4.0 and others["lr"] * others["weight_decay"] == pytest.approx(weights["lr"] * weights["weight_decay"])
+    assert others["lr"] == 4.0 and others["lr"] * others["weight_decay"] == pytest.approx(
+        weights["lr"] * weights["weight_decay"]
+    )
 
 
 def test_triangle_and_cosine_schedules():
-    tri = load_config(None, ["optim.schedule=triangle", "optim.warmup_epochs=2", "optim.warmup_start=0.2", "optim.final_lr_fraction=0"])
+    tri = load_config(
+        None,
+        ["optim.schedule=triangle", "optim.warmup_epochs=2", "optim.warmup_start=0.2", "optim.final_lr_fraction=0"],
+    )
     assert [lr_factor(tri, s, 100, 10) for s in (0, 10, 20, 60, 100)] == pytest.approx([0.2, 0.6, 1.0, 0.5, 0.0])
     cos = load_config(None, ["optim.schedule=cosine", "optim.warmup_epochs=0", "optim.final_lr_fraction=0.1"])
     assert [lr_factor(cos, s, 100, 10) for s in (0, 50, 100)] == pytest.approx([1.0, 0.55, 0.1])
@@ -58,17 +63,41 @@ def test_bf16_weights_follow_torch_sgd_on_their_fp32_masters(compiled, momentum,
     from trainer.worker.speed import MasterWeights
 
     torch.manual_seed(0)
-    cfg = load_config(None, [f"optim.momentum={momentum}", f"optim.nesterov={str(nesterov).lower()}", f"optim.weight_decay={wd}",
-                             "optim.lr=0.1", "optim.schedule=cosine", "optim.warmup_epochs=0", "train.precision=bf16", "train.param_dtype=bf16"])
+    cfg = load_config(
+        None,
+        [
+            f"optim.momentum={momentum}",
+            f"optim.nesterov={str(nesterov).lower()}",
+            f"optim.weight_decay={wd}",
+            "optim.lr=0.1",
+            "optim.schedule=cosine",
+            "optim.warmup_epochs=0",
+            "train.precision=bf16",
+            "train.param_dtype=bf16",
+        ],
+    )
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4 * 4 * 4, 3))
     reference = [p.detach().clone() for p in model.parameters()]
     masters = MasterWeights(model, compiled=compiled)
-    assert [p.dtype for p in model.parameters()] == [torch.bfloat16, torch.float32, torch.float32, torch.float32, torch.bfloat16, torch.float32]
+    assert [p.dtype for p in model.parameters()] == [
+        torch.bfloat16,
+        torch.float32,
+        torch.float32,
+        torch.float32,
+        torch.bfloat16,
+        torch.float32,
+    ]
     opt = build_optimizer(model, cfg, cuda=False)
     masters.attach(opt)
     schedule = build_schedule(opt, cfg, 4, 4)
-    ref_opt = torch.optim.SGD([{"params": [reference[i] for i in (0, 4)]}, {"params": [reference[i] for i in (1, 2, 3, 5)]}],
-                              lr=0.1, momentum=momentum, nesterov=nesterov, weight_decay=wd, foreach=False)
+    ref_opt = torch.optim.SGD(
+        [{"params": [reference[i] for i in (0, 4)]}, {"params": [reference[i] for i in (1, 2, 3, 5)]}],
+        lr=0.1,
+        momentum=momentum,
+        nesterov=nesterov,
+        weight_decay=wd,
+        foreach=False,
+    )
     ref_schedule = build_schedule(ref_opt, cfg, 4, 4)
     masters.warm_up(opt)  # compiles on copies: nothing real moves
     assert all(torch.equal(masters.masters[n], reference[i]) for i, n in ((0, "0.weight"), (4, "3.weight")))

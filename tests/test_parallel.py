@@ -19,11 +19,28 @@ def test_ddp_settings_reach_the_wrapper(tmp_path):
         rt = Runtime("ddp", 0, 0, 1, torch.device("cpu"), None)
         for flag in (True, False):
             value = str(flag).lower()
-            cfg = load_config(None, [f"dist.broadcast_buffers={value}", f"dist.static_graph={value}",
-                                     f"dist.gradient_as_bucket_view={value}", f"dist.split_graph_at_buckets={value}", "dist.bucket_mb=7"])
-            net = parallel.wrap(models.build("tinynet"), torch.nn.CrossEntropyLoss(), cfg, rt, compile_model=False, bf16=False, extras=speed.Extras(cfg, False, False))
+            cfg = load_config(
+                None,
+                [
+                    f"dist.broadcast_buffers={value}",
+                    f"dist.static_graph={value}",
+                    f"dist.gradient_as_bucket_view={value}",
+                    f"dist.split_graph_at_buckets={value}",
+                    "dist.bucket_mb=7",
+                ],
+            )
+            net = parallel.wrap(
+                models.build("tinynet"),
+                torch.nn.CrossEntropyLoss(),
+                cfg,
+                rt,
+                compile_model=False,
+                bf16=False,
+                extras=speed.Extras(cfg, False, False),
+            )
             assert isinstance(net, torch.nn.parallel.DistributedDataParallel)
-            sync = getattr(net, "forward_sync_buffers", getattr(net, "broadcast_buffers", None))  # the name of torch 2.14, or of 2.11
+            # the name of torch 2.14, or of 2.11
+            sync = getattr(net, "forward_sync_buffers", getattr(net, "broadcast_buffers", None))
             assert (sync, net.static_graph, net.gradient_as_bucket_view) == (flag, flag, flag)
             assert net.bucket_bytes_cap == 7 * 1024 * 1024
             assert torch._dynamo.config.optimize_ddp is flag  # dynamo splits compiled DDP at buckets, or not
@@ -43,8 +60,11 @@ def test_compiled_ddp_splits_its_graph_only_for_large_gradients():
         assert speed.split_at_buckets(models.build("seednet"), None, 25, world_size=2)
         assert not speed.split_at_buckets(models.build("resnet18"), None, 25, world_size=2)
         assert speed.split_at_buckets(models.build("resnet18"), None, 1, world_size=2)  # 45 MB is many 1 MB buckets
-        assert not speed.split_at_buckets(models.build("seednet"), None, 25, world_size=1)  # one process: nothing to overlap
-        assert speed.split_at_buckets(models.build("tinynet"), True, 25, world_size=1) and not speed.split_at_buckets(models.build("seednet"), False, 25, world_size=2)
+        # one process: nothing to overlap
+        assert not speed.split_at_buckets(models.build("seednet"), None, 25, world_size=1)
+        assert speed.split_at_buckets(models.build("tinynet"), True, 25, world_size=1) and not speed.split_at_buckets(
+            models.build("seednet"), False, 25, world_size=2
+        )
 
 
 def test_linear_layers_gather_factors_only_where_that_sends_fewer_values():
@@ -57,8 +77,10 @@ def test_linear_layers_gather_factors_only_where_that_sends_fewer_values():
     assert gather_linear_factors(net, global_batch=128, world=2) == ["1.1"]
     assert isinstance(net[1][1], GatheredFactorsLinear) and net[1][1].world == 2 and type(net[1][2]) is torch.nn.Linear
     with torch.device("meta"):
-        assert gather_linear_factors(build("seednet"), global_batch=1024, world=2) == []  # 72 M against 328 M: not worth the break
-    assert gather_linear_factors(build("tinynet"), global_batch=32, world=2) == []  # 2,048 x 10: the gradient is smaller
+        # 72 M against 328 M: not worth the break
+        assert gather_linear_factors(build("seednet"), global_batch=1024, world=2) == []
+    # 2,048 x 10: the gradient is smaller
+    assert gather_linear_factors(build("tinynet"), global_batch=32, world=2) == []
     assert gather_linear_factors(build("tinynet"), global_batch=32, world=2, force=True) == ["10"]
 
 
@@ -84,13 +106,17 @@ def test_a_gathered_linear_stays_out_of_the_compiled_graphs():
     assert linears_compiled(net) == 0  # its collectives run eagerly, between the graphs
 
 
-@pytest.mark.parametrize("overrides, rtol", [
-    ([*DDP_12_STEPS, "optim.momentum=0.9"], 1e-5),  # fp32: the same sums in another order
-    # bf16 weights: the gathered layer's bf16 gradient is rounded once (after the sum) instead of per
-    # rank: some bf16 weights round the other way, and 12 steps later the momentum differs by about
-    # 1% (a gradient taken twice, or not averaged, is 50-100%)
-    ([*BF16_DDP, "optim.momentum=0.9"], 5e-2),
-], ids=["fp32", "bf16-weights"])
+@pytest.mark.parametrize(
+    "overrides, rtol",
+    [
+        ([*DDP_12_STEPS, "optim.momentum=0.9"], 1e-5),  # fp32: the same sums in another order
+        # bf16 weights: the gathered layer's bf16 gradient is rounded once (after the sum) instead of per
+        # rank: some bf16 weights round the other way, and 12 steps later the momentum differs by about
+        # 1% (a gradient taken twice, or not averaged, is 50-100%)
+        ([*BF16_DDP, "optim.momentum=0.9"], 5e-2),
+    ],
+    ids=["fp32", "bf16-weights"],
+)
 def test_linear_gradients_from_gathered_factors_match_ddps_all_reduce(tmp_path, overrides, rtol):
     """dist.gather_linear_factors=true (every Linear) against DDP's all-reduce, two ranks (gloo):
     the same training up to float rounding, forward and backward through channels-last convs."""

@@ -36,7 +36,19 @@ def test_unreadable_files_are_one_line_each_skipped_and_counted(small_run, tmp_p
     assert len(skipped) == 2 and all("not a readable image" in line for line in skipped), p.stderr
     assert "12 image(s) predicted" in p.stderr and "2 skipped (unreadable)" in p.stderr and not p.stdout.strip()
     rows = list(csv.reader(out.open()))
-    assert rows[0] == ["file", "class1", "prob1", "class2", "prob2", "class3", "prob3", "class4", "prob4", "class5", "prob5"]
+    assert rows[0] == [
+        "file",
+        "class1",
+        "prob1",
+        "class2",
+        "prob2",
+        "class3",
+        "prob3",
+        "class4",
+        "prob4",
+        "class5",
+        "prob5",
+    ]
     assert len(rows) == 13 and all(r[0].startswith(str(tmp_path / "mine" / "deep")) for r in rows[1:])
 
 
@@ -45,7 +57,8 @@ def test_no_readable_image_at_all_is_bad_input(small_run, tmp_path):
     (tmp_path / "a.jpg").write_bytes(b"nope")
     p = run(trainer_cmd("predict", str(run_folder), str(tmp_path / "a.jpg")), check=False)
     assert p.returncode == 2 and p.stderr.strip().splitlines()[-1] == (
-        "error: none of the 1 image(s) could be read (each is named above); give readable images"), p.stderr
+        "error: none of the 1 image(s) could be read (each is named above); give readable images"
+    ), p.stderr
     p = run(trainer_cmd("predict", str(tmp_path / "a.jpg"), str(tmp_path / "a.jpg")), check=False)
     assert p.returncode == 2 and "is not a checkpoint or an exported model" in p.stderr, p.stderr
     p = run(trainer_cmd("predict", str(run_folder), str(tmp_path), "--out", str(tmp_path / "p.txt")), check=False)

@@ -33,13 +33,22 @@ def hub_with_resnet18(torch_home: Path, seed: int = 1) -> dict[str, torch.Tensor
     return state
 
 
-@pytest.mark.parametrize("name, head", [
-    ("torchvision.resnet18", {"fc.weight", "fc.bias"}), ("resnet50", {"fc.weight", "fc.bias"}),
-    ("vit_b_16", {"heads.head.weight", "heads.head.bias"}), ("squeezenet1_0", {"classifier.1.weight", "classifier.1.bias"}),
-    ("densenet121", {"classifier.weight", "classifier.bias"}), ("convnext_tiny", {"classifier.2.weight", "classifier.2.bias"}),
-    ("googlenet", {"fc.weight", "fc.bias"}), ("efficientnet_b0", {"classifier.1.weight", "classifier.1.bias"}),
-    ("resnet18", {"fc.weight", "fc.bias"}), ("airnet", {"head.weight"}), ("seednet", {"1.3.weight", "1.3.bias"}),
-])
+@pytest.mark.parametrize(
+    "name, head",
+    [
+        ("torchvision.resnet18", {"fc.weight", "fc.bias"}),
+        ("resnet50", {"fc.weight", "fc.bias"}),
+        ("vit_b_16", {"heads.head.weight", "heads.head.bias"}),
+        ("squeezenet1_0", {"classifier.1.weight", "classifier.1.bias"}),
+        ("densenet121", {"classifier.weight", "classifier.bias"}),
+        ("convnext_tiny", {"classifier.2.weight", "classifier.2.bias"}),
+        ("googlenet", {"fc.weight", "fc.bias"}),
+        ("efficientnet_b0", {"classifier.1.weight", "classifier.1.bias"}),
+        ("resnet18", {"fc.weight", "fc.bias"}),
+        ("airnet", {"head.weight"}),
+        ("seednet", {"1.3.weight", "1.3.bias"}),
+    ],
+)
 def test_the_head_is_what_changes_with_the_number_of_classes(name, head):
     assert pretrained.head_keys(name, 224 if name not in ("airnet", "seednet", "resnet18") else 32) == head
 
@@ -66,7 +75,8 @@ def test_files_of_every_kind_load_and_the_normalisation_comes_with_them(tmp_path
     torch.manual_seed(3)
     src = models.build("airnet", 10)
     state = src.state_dict()
-    torch.save({"state_dict": {f"module.{k}": v for k, v in state.items()}}, tmp_path / "w.pth")  # a training script's wrapper
+    # a training script's wrapper
+    torch.save({"state_dict": {f"module.{k}": v for k, v in state.items()}}, tmp_path / "w.pth")
     from safetensors.torch import save_file
 
     save_file(state, str(tmp_path / "w.safetensors"))
@@ -79,11 +89,14 @@ def test_files_of_every_kind_load_and_the_normalisation_comes_with_them(tmp_path
         assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items() if k != "head.weight")
 
 
-@pytest.mark.parametrize("spec, model, says", [
-    ("IMAGENET1K_V3", "resnet50", "is no weights name of resnet50; it has IMAGENET1K_V1, IMAGENET1K_V2, DEFAULT"),
-    ("DEFAULT", "resnet18", "is this project's network and has no published weights"),
-    ("/nowhere/w.pth", "resnet50", "does not exist"),
-])
+@pytest.mark.parametrize(
+    "spec, model, says",
+    [
+        ("IMAGENET1K_V3", "resnet50", "is no weights name of resnet50; it has IMAGENET1K_V1, IMAGENET1K_V2, DEFAULT"),
+        ("DEFAULT", "resnet18", "is this project's network and has no published weights"),
+        ("/nowhere/w.pth", "resnet50", "does not exist"),
+    ],
+)
 def test_a_bad_weights_name_or_path_is_one_line(spec, model, says):
     with pytest.raises(ConfigError, match=says):
         pretrained.resolve(model, spec)
@@ -100,22 +113,43 @@ def test_weights_of_another_architecture_or_no_weights_at_all_are_refused_naming
 
 def test_trainer_check_says_where_to_put_a_file_it_cannot_download_and_writes_nothing(tmp_path):
     ck = tmp_path / "ck"
-    p = run(trainer_cmd("check", *TINY, "model.name=torchvision.resnet18", "model.weights=IMAGENET1K_V1", f"checkpoint.dir={ck}"),
-            env=env(TORCH_HOME=str(tmp_path / "th"), **NO_NETWORK), check=False)
+    p = run(
+        trainer_cmd(
+            "check", *TINY, "model.name=torchvision.resnet18", "model.weights=IMAGENET1K_V1", f"checkpoint.dir={ck}"
+        ),
+        env=env(TORCH_HOME=str(tmp_path / "th"), **NO_NETWORK),
+        check=False,
+    )
     lines = p.stderr.strip().splitlines()
     assert p.returncode == 2 and len(lines) == 1, p.stderr
     folder = tmp_path / "th" / "hub" / "checkpoints"
-    assert f"{RESNET18_FILE} is not in {folder}" in lines[0] and "https://download.pytorch.org/models/" + RESNET18_FILE in lines[0], lines[0]
+    assert (
+        f"{RESNET18_FILE} is not in {folder}" in lines[0]
+        and "https://download.pytorch.org/models/" + RESNET18_FILE in lines[0]
+    ), lines[0]
     assert not ck.exists() or not any(ck.glob("step-*"))
 
 
 def test_a_run_from_hub_weights_says_them_on_its_start_line_and_stores_their_normalisation(tmp_path):
     hub_with_resnet18(tmp_path / "th")
     ck = tmp_path / "ck"
-    p = run(trainer_cmd("train", *TINY, "model.name=torchvision.resnet18", "model.weights=IMAGENET1K_V1", "train.max_steps=2",
-                        "train.deterministic=false", f"checkpoint.dir={ck}"), env=env(TORCH_HOME=str(tmp_path / "th"), **NO_NETWORK))
+    p = run(
+        trainer_cmd(
+            "train",
+            *TINY,
+            "model.name=torchvision.resnet18",
+            "model.weights=IMAGENET1K_V1",
+            "train.max_steps=2",
+            "train.deterministic=false",
+            f"checkpoint.dir={ck}",
+        ),
+        env=env(TORCH_HOME=str(tmp_path / "th"), **NO_NETWORK),
+    )
     start = next(line for line in p.stdout.splitlines() if "starting fresh" in line)
-    assert "weights ResNet18_Weights.IMAGENET1K_V1 (normalised by mean 0.485, 0.456, 0.406, std 0.229, 0.224, 0.225)" in start, start
+    assert (
+        "weights ResNet18_Weights.IMAGENET1K_V1 (normalised by mean 0.485, 0.456, 0.406, std 0.229, 0.224, 0.225)"
+        in start
+    ), start
     meta = json.loads((ck / "step-2" / "meta.json").read_text())
     assert meta["normalize"] == {"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}
 
@@ -124,7 +158,12 @@ def test_freeze_and_backbone_scale_make_the_pretrained_groups_learning_rate():
     from trainer.worker.optim import build_optimizer, build_schedule
 
     cfg = Config()
-    cfg.model.weights, cfg.model.freeze_epochs, cfg.optim.backbone_lr_scale, cfg.optim.warmup_epochs = "x.pth", 2, 0.1, 0
+    cfg.model.weights, cfg.model.freeze_epochs, cfg.optim.backbone_lr_scale, cfg.optim.warmup_epochs = (
+        "x.pth",
+        2,
+        0.1,
+        0,
+    )
     cfg.data.image_size, cfg.model.name = 32, "tinynet"
     model = models.build("tinynet")
     head = pretrained.head_keys("tinynet", 32)
@@ -166,10 +205,30 @@ def test_a_resume_across_the_freeze_at_another_world_size_goes_on_as_the_run_tha
 
     torch.manual_seed(5)
     torch.save(models.build("tinynet").state_dict(), tmp_path / "start.pth")
-    args = [*TINY, "train.epochs=2", "checkpoint.every_steps=5", "checkpoint.keep=10", "optim.momentum=0.9", f"model.weights={tmp_path / 'start.pth'}",
-            "model.freeze_epochs=1", "optim.backbone_lr_scale=0.5"]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "trainer", "train"]
-    run([*torchrun, *args, "train.strategy=ddp", f"checkpoint.dir={tmp_path / 'a'}"], env=env(MASTER_PORT=str(free_port())))
+    args = [
+        *TINY,
+        "train.epochs=2",
+        "checkpoint.every_steps=5",
+        "checkpoint.keep=10",
+        "optim.momentum=0.9",
+        f"model.weights={tmp_path / 'start.pth'}",
+        "model.freeze_epochs=1",
+        "optim.backbone_lr_scale=0.5",
+    ]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "trainer",
+        "train",
+    ]
+    run(
+        [*torchrun, *args, "train.strategy=ddp", f"checkpoint.dir={tmp_path / 'a'}"],
+        env=env(MASTER_PORT=str(free_port())),
+    )
     start, at10 = torch.load(tmp_path / "start.pth"), saved(tmp_path / "a" / "step-10")["model"]
     head = pretrained.head_keys("tinynet", 32)
     assert all(torch.equal(at10[k], v) for k, v in start.items() if k not in head), "frozen until step 16"
@@ -179,7 +238,9 @@ def test_a_resume_across_the_freeze_at_another_world_size_goes_on_as_the_run_tha
 
     shutil.copytree(tmp_path / "a" / "step-10", tmp_path / "b" / "step-10")
     p = run(trainer_cmd("train", *args, f"checkpoint.dir={tmp_path / 'b'}"))
-    assert "resuming from" in p.stdout and "weights" not in p.stdout.split("resuming from")[0].split("\n")[-1], p.stdout[-1500:]
+    assert "resuming from" in p.stdout and "weights" not in p.stdout.split("resuming from")[0].split("\n")[-1], (
+        p.stdout[-1500:]
+    )
     a, b = saved(tmp_path / "a" / "step-32")["model"], saved(tmp_path / "b" / "step-32")["model"]
     moved = [k for k in a if k not in head and not torch.equal(a[k], start[k])]
     assert moved, "past the freeze the pretrained layers learn"
@@ -218,17 +279,46 @@ def test_a_pretrained_start_beats_a_random_one_on_few_images_of_other_classes(jp
     if not os.environ.get("TRAINER_TEST_DATA"):
         if os.environ.get("CI"):
             pytest.fail("CI sets TRAINER_TEST_DATA (real CIFAR-10 JPEGs); this test needs them")
-        pytest.skip("needs TRAINER_TEST_DATA=/path/to/cifar10 (real photos): made JPEGs are too regular to measure transfer")
+        pytest.skip(
+            "needs TRAINER_TEST_DATA=/path/to/cifar10 (real photos): made JPEGs are too regular to measure transfer"
+        )
     pre = subset(jpegs, tmp_path / "pre", ["airplane", "automobile", "bird", "cat", "deer"], 1000, 200)
     few = subset(jpegs, tmp_path / "few", ["dog", "frog", "horse", "ship", "truck"], 25, 1000)
-    common = ["model.name=tinynet", "data.name=imagefolder", "train.plot=false", "train.tensorboard=false", "optim.weight_decay=0.0005"]
-    run(trainer_cmd("train", *common, f"data.dir={pre}", "train.batch_size=100", "train.epochs=8", "optim.lr=0.1",
-                    f"checkpoint.dir={tmp_path / 'pretrained'}"))
+    common = [
+        "model.name=tinynet",
+        "data.name=imagefolder",
+        "train.plot=false",
+        "train.tensorboard=false",
+        "optim.weight_decay=0.0005",
+    ]
+    run(
+        trainer_cmd(
+            "train",
+            *common,
+            f"data.dir={pre}",
+            "train.batch_size=100",
+            "train.epochs=8",
+            "optim.lr=0.1",
+            f"checkpoint.dir={tmp_path / 'pretrained'}",
+        )
+    )
     acc = {}
     for start in ("random", "pretrained"):
         weights = [f"model.weights={tmp_path / 'pretrained'}"] if start == "pretrained" else []
-        p = run(trainer_cmd("train", *common, *weights, f"data.dir={few}", "train.batch_size=25", "train.epochs=30", "optim.lr=0.05",
-                            "train.eval_every=30", "checkpoint.every_epochs=0", f"checkpoint.dir={tmp_path / ('from-' + start)}"))
+        p = run(
+            trainer_cmd(
+                "train",
+                *common,
+                *weights,
+                f"data.dir={few}",
+                "train.batch_size=25",
+                "train.epochs=30",
+                "optim.lr=0.05",
+                "train.eval_every=30",
+                "checkpoint.every_epochs=0",
+                f"checkpoint.dir={tmp_path / ('from-' + start)}",
+            )
+        )
         acc[start] = float(p.stdout.split("| test acc ")[-1].split("%")[0])
     assert acc["pretrained"] - acc["random"] >= TRANSFER_MARGIN, acc
 
@@ -262,27 +352,54 @@ def test_one_process_per_machine_downloads_with_the_hash_check_while_the_others_
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         base = f"http://127.0.0.1:{server.server_port}"
-        code = ("import sys; from pathlib import Path; from trainer.worker import pretrained as p\n"
-                "w = p.Weights('X', 'torchvision', Path(sys.argv[1]), (0.5,) * 3, (0.5,) * 3, sys.argv[2])\n"
-                "try:\n    p.fetch(w); print('ok')\nexcept p.ConfigError as e:\n    print(e)\n")
+        code = (
+            "import sys; from pathlib import Path; from trainer.worker import pretrained as p\n"
+            "w = p.Weights('X', 'torchvision', Path(sys.argv[1]), (0.5,) * 3, (0.5,) * 3, sys.argv[2])\n"
+            "try:\n    p.fetch(w); print('ok')\nexcept p.ConfigError as e:\n    print(e)\n"
+        )
         hub = tmp_path / "hub"
         name = f"tinynet-{digest[:8]}.pth"
-        procs = [subprocess.Popen([sys.executable, "-c", code, str(hub / name), f"{base}/{name}"], stdout=subprocess.PIPE, text=True,
-                                  env=env(no_proxy="127.0.0.1")) for _ in range(4)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", code, str(hub / name), f"{base}/{name}"],
+                stdout=subprocess.PIPE,
+                text=True,
+                env=env(no_proxy="127.0.0.1"),
+            )
+            for _ in range(4)
+        ]
         assert [p.communicate(timeout=120)[0].strip() for p in procs] == ["ok"] * 4
-        assert hits.count(f"/{name}") == 1 and torch.load(hub / name).keys() == models.build("tinynet").state_dict().keys()
-        bad = subprocess.run([sys.executable, "-c", code, str(hub / "tinynet-deadbeef.pth"), f"{base}/tinynet-deadbeef.pth"], capture_output=True,
-                             text=True, env=env(no_proxy="127.0.0.1"), timeout=120)
-        assert "could not be downloaded (invalid hash value" in bad.stdout and len(bad.stdout.strip().splitlines()) == 1, bad.stdout + bad.stderr
+        assert (
+            hits.count(f"/{name}") == 1 and torch.load(hub / name).keys() == models.build("tinynet").state_dict().keys()
+        )
+        bad = subprocess.run(
+            [sys.executable, "-c", code, str(hub / "tinynet-deadbeef.pth"), f"{base}/tinynet-deadbeef.pth"],
+            capture_output=True,
+            text=True,
+            env=env(no_proxy="127.0.0.1"),
+            timeout=120,
+        )
+        assert (
+            "could not be downloaded (invalid hash value" in bad.stdout and len(bad.stdout.strip().splitlines()) == 1
+        ), bad.stdout + bad.stderr
         assert not (hub / "tinynet-deadbeef.pth").exists()
     finally:
         server.shutdown()
 
 
-@pytest.mark.parametrize("args, says", [
-    (["model.name=resnet50", "model.weights=IMAGENET1K_V9"], "is no weights name of resnet50; it has IMAGENET1K_V1, IMAGENET1K_V2, DEFAULT"),
-    (["model.name=airnet", "model.weights=/nowhere/w.safetensors"], "model.weights=/nowhere/w.safetensors does not exist"),
-])
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (
+            ["model.name=resnet50", "model.weights=IMAGENET1K_V9"],
+            "is no weights name of resnet50; it has IMAGENET1K_V1, IMAGENET1K_V2, DEFAULT",
+        ),
+        (
+            ["model.name=airnet", "model.weights=/nowhere/w.safetensors"],
+            "model.weights=/nowhere/w.safetensors does not exist",
+        ),
+    ],
+)
 def test_trainer_check_refuses_a_bad_weights_name_or_path_in_one_line(tmp_path, args, says):
     p = run(trainer_cmd("check", *TINY, *args, f"checkpoint.dir={tmp_path / 'ck'}"), check=False)
     assert p.returncode == 2 and p.stderr.strip().splitlines() == [p.stderr.strip()] and says in p.stderr, p.stderr

@@ -20,8 +20,10 @@ def test_a_wait_with_no_node_yet_is_one_line_on_the_console(capsys):
     store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
     reporter = Reporter(f"127.0.0.1:{port}", "job-a", "2", join_timeout_s=600)
     line = reporter.waiting_line(42.4)
-    assert line == (f"torchrun: waiting 42 s at the rendezvous 127.0.0.1:{port} (id job-a) for 2 more node(s) (2 needed); "
-                    "present: none; gives up in 558 s (join_timeout)")
+    assert line == (
+        f"torchrun: waiting 42 s at the rendezvous 127.0.0.1:{port} (id job-a) for 2 more node(s) (2 needed); "
+        "present: none; gives up in 558 s (join_timeout)"
+    )
     reporter.say(line)  # the default: the console, at once
     assert capsys.readouterr().err == line + "\n"
     del store
@@ -56,7 +58,10 @@ def test_torchs_private_rendezvous_state_is_in_the_form_the_reporter_reads():
     c10d.C10dRendezvousBackend(store, "job-b").set_state(pickle.dumps({"participants": {}}))
     other = Reporter(f"127.0.0.1:{port}", "job-b", "2", join_timeout_s=600, say=said.append)
     assert other.read() is None and other.read() is None and len(said) == 1
-    assert "keeps its rendezvous state in another form than this trainer reads" in said[0] and "training is not affected" in said[0]
+    assert (
+        "keeps its rendezvous state in another form than this trainer reads" in said[0]
+        and "training is not affected" in said[0]
+    )
     del store
 
 
@@ -73,9 +78,16 @@ def test_under_etcd_a_node_whose_keep_alive_stopped_is_named_and_the_workers_sto
     from trainer.launch import rendezvous
 
     at = f"127.0.0.1:{etcd_server}"
-    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # no workers' store on node8, which does not resolve here
-    handlers = [registry.get_rendezvous_handler(RendezvousParameters("etcd-v2", at, "job-e", 2, 2, local_addr=host, keep_alive_interval=1,
-                                                                     last_call_timeout=1)) for host in ("node8", "node9")]
+    # no workers' store on node8, which does not resolve here
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    handlers = [
+        registry.get_rendezvous_handler(
+            RendezvousParameters(
+                "etcd-v2", at, "job-e", 2, 2, local_addr=host, keep_alive_interval=1, last_call_timeout=1
+            )
+        )
+        for host in ("node8", "node9")
+    ]
     threads = [threading.Thread(target=h.next_rendezvous) for h in handlers]
     for t in threads:
         t.start()
@@ -97,6 +109,8 @@ def test_under_etcd_a_node_whose_keep_alive_stopped_is_named_and_the_workers_sto
         time.sleep(1)
     assert len(said) == 1 and said[0].startswith("torchrun: node9 dropped out of the rendezvous") and killed, said
     line = reporter.waiting_line(42)
-    assert "present: node8; node9 of the last group not back" in line and "for the round to close (1-2 nodes)" in line, line
+    assert (
+        "present: node8; node9 of the last group not back" in line and "for the round to close (1-2 nodes)" in line
+    ), line
     for h in handlers:
         h.shutdown()

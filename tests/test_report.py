@@ -30,7 +30,9 @@ def test_a_report_names_the_worst_images_by_path_and_draws_the_matrix(small_run,
     rows = list(csv.DictReader((tmp_path / "rep" / "per_class.csv").open()))
     assert [r["class"] for r in rows] == [f"class{i}" for i in range(10)] and sum(int(r["images"]) for r in rows) == 120
     worst = list(csv.DictReader((tmp_path / "rep" / "worst.csv").open()))
-    assert len(worst) == 25 and all(w["image"].startswith(str(images / "test")) and f"/{w['true']}/" in w["image"] for w in worst)
+    assert len(worst) == 25 and all(
+        w["image"].startswith(str(images / "test")) and f"/{w['true']}/" in w["image"] for w in worst
+    )
     probs = [float(w["prob_true"]) for w in worst]
     assert probs == sorted(probs)
     assert (tmp_path / "rep" / "confusion.png").read_bytes()[:4] == b"\x89PNG"
@@ -41,6 +43,9 @@ def test_a_report_names_the_worst_images_by_path_and_draws_the_matrix(small_run,
 def test_the_report_of_two_ranks_is_the_report_of_one(small_run, tmp_path):
     run_folder, _ = small_run
     run(trainer_cmd("eval", str(run_folder), "--report", str(tmp_path / "one")))
-    run(torchrun_cmd(2, "eval", str(run_folder), "--report", str(tmp_path / "two")), env=env(MASTER_PORT=str(free_port())))
+    run(
+        torchrun_cmd(2, "eval", str(run_folder), "--report", str(tmp_path / "two")),
+        env=env(MASTER_PORT=str(free_port())),
+    )
     for name in ("per_class.csv", "confused_pairs.csv", "worst.csv"):
         assert (tmp_path / "one" / name).read_text() == (tmp_path / "two" / name).read_text(), name

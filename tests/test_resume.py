@@ -17,7 +17,14 @@ from conftest import TINY, as_format1, env, free_port, run, write_format1
 from conftest import saved as saved_state
 
 PROBE = "tests/resume_probe.py"
-BASE = [*TINY, "train.epochs=2", "checkpoint.every_steps=5", "checkpoint.keep=10", "optim.momentum=0.9", "data.crop_padding=4"]
+BASE = [
+    *TINY,
+    "train.epochs=2",
+    "checkpoint.every_steps=5",
+    "checkpoint.keep=10",
+    "optim.momentum=0.9",
+    "data.crop_padding=4",
+]
 RESUME_AT = 10  # a mid-epoch periodic save (asynchronous when async_save is on), not the final one
 
 
@@ -25,7 +32,16 @@ def probe(out: Path, args: list[str], nproc: int, extra_env: dict | None = None)
     if nproc == 1:
         cmd = [sys.executable, PROBE, str(out), *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", PROBE, str(out), *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            PROBE,
+            str(out),
+            *args,
+        ]
     run(cmd, env=env(MASTER_PORT=str(free_port()), **(extra_env or {})), timeout=600)
     return torch.load(out, weights_only=False)
 
@@ -34,13 +50,17 @@ def stride_of(t: torch.Tensor) -> tuple:
     return tuple(t.shape), tuple(t.stride())
 
 
-def check_resume(tmp_path: Path, overrides: list[str], nproc: int = 1, exact: bool = True, extra_env: dict | None = None) -> tuple[dict, dict]:
+def check_resume(
+    tmp_path: Path, overrides: list[str], nproc: int = 1, exact: bool = True, extra_env: dict | None = None
+) -> tuple[dict, dict]:
     """Train a reference run; resume a copy of its step-10 checkpoint in a fresh folder; compare."""
     args = [*BASE, *overrides]
     ref = probe(tmp_path / "ref.pt", [*args, f"checkpoint.dir={tmp_path / 'a'}"], nproc, extra_env)
     shutil.copytree(tmp_path / "a" / f"step-{RESUME_AT}", tmp_path / "b" / f"step-{RESUME_AT}")
     res = probe(tmp_path / "res.pt", [*args, f"checkpoint.dir={tmp_path / 'b'}"], nproc, extra_env)
-    assert not ref["resumed"] and res["resumed"] and ref["step"] == res["step"] == 32 and ref["code"] == res["code"] == 0
+    assert (
+        not ref["resumed"] and res["resumed"] and ref["step"] == res["step"] == 32 and ref["code"] == res["code"] == 0
+    )
 
     # 1. every restored tensor has the live run's dtype, device, shape and strides
     if "optim.momentum=0" not in overrides:  # SGD without momentum keeps no state per parameter
@@ -54,7 +74,10 @@ def check_resume(tmp_path: Path, overrides: list[str], nproc: int = 1, exact: bo
         b = res["values"][k]
         assert a.dtype == b.dtype, k
         if exact:
-            assert torch.equal(a, b), f"{k} differs from the never-stopped run (max abs diff {(a.double() - b.double()).abs().max().item():.3g})"
+            assert torch.equal(a, b), (
+                f"{k} differs from the never-stopped run (max abs diff "
+                f"{(a.double() - b.double()).abs().max().item():.3g})"
+            )
         else:
             assert torch.isfinite(b.float()).all(), k
     return ref, res
@@ -64,16 +87,35 @@ FAST = {
     "async-channels_last-foreach": ["checkpoint.async_save=true", "model.channels_last=true", "optim.impl=foreach"],
     "sync-contiguous-loop": ["checkpoint.async_save=false", "model.channels_last=false", "optim.impl=loop"],
     # bf16 working weights, fp32 masters (and their momentum) in the checkpoint
-    "async-channels_last-bf16-weights": ["checkpoint.async_save=true", "model.channels_last=true", "train.precision=bf16", "train.param_dtype=bf16"],
+    "async-channels_last-bf16-weights": [
+        "checkpoint.async_save=true",
+        "model.channels_last=true",
+        "train.precision=bf16",
+        "train.param_dtype=bf16",
+    ],
     # seed.yaml's optimizer: SGD without momentum has no state per parameter, only its groups' settings
-    "async-bf16-weights-no-momentum": ["checkpoint.async_save=true", "train.precision=bf16", "train.param_dtype=bf16", "optim.momentum=0",
-                                       "optim.nesterov=false"],
+    "async-bf16-weights-no-momentum": [
+        "checkpoint.async_save=true",
+        "train.precision=bf16",
+        "train.param_dtype=bf16",
+        "optim.momentum=0",
+        "optim.nesterov=false",
+    ],
 }
 SLOW = {
     "sync-channels_last-foreach": ["checkpoint.async_save=false", "model.channels_last=true", "optim.impl=foreach"],
     "async-contiguous-loop": ["checkpoint.async_save=true", "model.channels_last=false", "optim.impl=loop"],
-    "async-channels_last-lookahead": ["checkpoint.async_save=true", "model.channels_last=true", "optim.lookahead_every=3"],
-    "async-channels_last-adamw-bf16": ["checkpoint.async_save=true", "model.channels_last=true", "optim.name=adamw", "train.precision=bf16"],
+    "async-channels_last-lookahead": [
+        "checkpoint.async_save=true",
+        "model.channels_last=true",
+        "optim.lookahead_every=3",
+    ],
+    "async-channels_last-adamw-bf16": [
+        "checkpoint.async_save=true",
+        "model.channels_last=true",
+        "optim.name=adamw",
+        "train.precision=bf16",
+    ],
 }
 
 
@@ -82,7 +124,9 @@ def test_resume_is_exact_one_process(tmp_path, case):
     check_resume(tmp_path, FAST[case])
 
 
-@pytest.mark.parametrize("saved, now", [("0.9", "0"), ("0", "0.9")], ids=["momentum-switched-off", "momentum-switched-on"])
+@pytest.mark.parametrize(
+    "saved, now", [("0.9", "0"), ("0", "0.9")], ids=["momentum-switched-off", "momentum-switched-on"]
+)
 def test_a_resume_with_other_optim_settings_runs_with_them(tmp_path, saved, now):
     """The checkpoint's optimizer state under this run's settings: momentum buffers dropped when
     momentum is now 0 (torch's loader failed on them), started when it is now on; the weight decay
@@ -90,7 +134,14 @@ def test_a_resume_with_other_optim_settings_runs_with_them(tmp_path, saved, now)
     from conftest import trainer_cmd
 
     ck, no_nesterov = tmp_path / "ck", "optim.nesterov=false"
-    common = [*TINY, "train.epochs=2", "checkpoint.every_steps=4", "checkpoint.async_save=false", no_nesterov, f"checkpoint.dir={ck}"]
+    common = [
+        *TINY,
+        "train.epochs=2",
+        "checkpoint.every_steps=4",
+        "checkpoint.async_save=false",
+        no_nesterov,
+        f"checkpoint.dir={ck}",
+    ]
     run(trainer_cmd("train", *common, "train.max_steps=8", f"optim.momentum={saved}"))
     p = run(trainer_cmd("train", *common, "train.max_steps=12", f"optim.momentum={now}", "optim.weight_decay=0.001"))
     assert "resuming from" in p.stdout and "step-8" in p.stdout, p.stdout[-2000:]
@@ -98,7 +149,9 @@ def test_a_resume_with_other_optim_settings_runs_with_them(tmp_path, saved, now)
     assert {g["momentum"] for g in before["param_groups"]} == {float(saved)}
     assert {g["momentum"] for g in after["param_groups"]} == {float(now)}
     assert {g["weight_decay"] for g in after["param_groups"] if g["weight_decay"]} == {0.001}
-    buffers = [k for st in after["state"].values() for k, v in st.items() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    buffers = [
+        k for st in after["state"].values() for k, v in st.items() if isinstance(v, torch.Tensor) and v.dim() > 0
+    ]
     assert bool(buffers) == (now != "0"), buffers
 
 
@@ -109,16 +162,40 @@ def test_resume_is_exact_one_process_more(tmp_path, case):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy, overrides", [
-    ("ddp", ["checkpoint.async_save=true", "model.channels_last=true"]),
-    ("ddp", ["checkpoint.async_save=false", "model.channels_last=true", "optim.lookahead_every=3"]),
-    ("fsdp", ["checkpoint.async_save=true"]),
-    ("ddp", ["checkpoint.async_save=true", "model.channels_last=true", "train.precision=bf16", "train.param_dtype=bf16"]),  # bf16 all-reduce
-    # the Linear's gradient from gathered factors, with bf16 weights
-    ("ddp", ["checkpoint.async_save=true", "model.channels_last=true", "train.precision=bf16", "train.param_dtype=bf16",
-             "dist.gather_linear_factors=true"]),
-    ("ddp", ["checkpoint.async_save=true", "optim.momentum=0", "optim.nesterov=false"]),  # seed.yaml's SGD: no state per parameter
-])
+@pytest.mark.parametrize(
+    "strategy, overrides",
+    [
+        ("ddp", ["checkpoint.async_save=true", "model.channels_last=true"]),
+        ("ddp", ["checkpoint.async_save=false", "model.channels_last=true", "optim.lookahead_every=3"]),
+        ("fsdp", ["checkpoint.async_save=true"]),
+        # bf16 all-reduce
+        (
+            "ddp",
+            [
+                "checkpoint.async_save=true",
+                "model.channels_last=true",
+                "train.precision=bf16",
+                "train.param_dtype=bf16",
+            ],
+        ),
+        # the Linear's gradient from gathered factors, with bf16 weights
+        (
+            "ddp",
+            [
+                "checkpoint.async_save=true",
+                "model.channels_last=true",
+                "train.precision=bf16",
+                "train.param_dtype=bf16",
+                "dist.gather_linear_factors=true",
+            ],
+        ),
+        # seed.yaml's SGD: no state per parameter
+        (
+            "ddp",
+            ["checkpoint.async_save=true", "optim.momentum=0", "optim.nesterov=false"],
+        ),
+    ],
+)
 def test_resume_is_exact_two_ranks(tmp_path, strategy, overrides):
     check_resume(tmp_path, [f"train.strategy={strategy}", *overrides], nproc=2)
 
@@ -132,8 +209,15 @@ def test_format_1_checkpoints_with_dense_momentum_resume_in_the_parameters_layou
     folder = tmp_path / "a" / f"step-{RESUME_AT}"
     state = as_format1(folder)  # read back whole: every tensor NCHW-contiguous
     live = [k for k, (_, _, shape, stride) in ref["final"].items() if k.startswith("optimizer/") and len(shape) == 4]
-    assert live and all(ref["final"][k][3] != torch.empty(ref["final"][k][2]).stride() for k in live), "the run should have channels-last momentum"
-    assert all(v.is_contiguous() for st in state["optimizer"]["state"].values() for v in st.values() if isinstance(v, torch.Tensor))
+    assert live and all(ref["final"][k][3] != torch.empty(ref["final"][k][2]).stride() for k in live), (
+        "the run should have channels-last momentum"
+    )
+    assert all(
+        v.is_contiguous()
+        for st in state["optimizer"]["state"].values()
+        for v in st.values()
+        if isinstance(v, torch.Tensor)
+    )
     write_format1(state, tmp_path / "b", RESUME_AT)
     res = probe(tmp_path / "res.pt", [*args, f"checkpoint.dir={tmp_path / 'b'}"], 1)
     assert res["restored"] == ref["final"]
@@ -154,7 +238,9 @@ def test_fsdp_shards_resume_in_one_process_and_back_and_trainer_eval_reads_them(
     whole = saved_state(ck / "step-8")["model"]
     from trainer.worker import models
 
-    assert {k: tuple(t.shape) for k, t in whole.items()} == {k: tuple(t.shape) for k, t in models.build("tinynet").state_dict().items()}
+    assert {k: tuple(t.shape) for k, t in whole.items()} == {
+        k: tuple(t.shape) for k, t in models.build("tinynet").state_dict().items()
+    }
     p = run(trainer_cmd("train", *common, "train.max_steps=12"))
     assert "resuming from" in p.stdout and "step-8" in p.stdout and "strategy cpu x1" in p.stdout, p.stdout[-2000:]
     p = run(torchrun_cmd(2, "train", *common, "train.strategy=fsdp", "train.max_steps=16"))

@@ -8,10 +8,22 @@ from trainer.config_loader import load_config
 from trainer.worker.run import Fast
 from trainer.worker.runtime import Runtime
 
-PLAIN = ["train.precision=fp32", "model.compile=false", "model.channels_last=false", "data.device_resident=false",
-         "optim.impl=loop", "checkpoint.async_save=false"]
-FAST_FP32 = ["train.precision=fp32", "model.compile=true", "model.channels_last=true", "data.device_resident=true",
-             "optim.impl=foreach", "checkpoint.async_save=true"]
+PLAIN = [
+    "train.precision=fp32",
+    "model.compile=false",
+    "model.channels_last=false",
+    "data.device_resident=false",
+    "optim.impl=loop",
+    "checkpoint.async_save=false",
+]
+FAST_FP32 = [
+    "train.precision=fp32",
+    "model.compile=true",
+    "model.channels_last=true",
+    "data.device_resident=true",
+    "optim.impl=foreach",
+    "checkpoint.async_save=true",
+]
 
 
 def test_fast_path_is_on_for_cuda_and_each_part_switches_off():
@@ -70,9 +82,13 @@ def test_param_dtype_auto_takes_bf16_weights_only_where_they_work():
     assert not weights("cpu", "cpu")  # autocast is off on the CPU by default
     assert weights("cpu", "cpu", "train.precision=bf16")
     assert not weights("fsdp", "cuda") and not weights("dp", "cuda")
-    assert not weights("single", "cuda", "optim.name=adamw") and not weights("single", "cuda", "optim.lookahead_every=5")
+    assert not weights("single", "cuda", "optim.name=adamw") and not weights(
+        "single", "cuda", "optim.lookahead_every=5"
+    )
     assert not weights("single", "cuda", "train.precision=fp32")
-    assert not Fast.resolve(load_config(), Runtime("single", 0, 0, 1, torch.device("cuda", 0), None)).bf16_weights  # the default: fp32
+    assert not Fast.resolve(
+        load_config(), Runtime("single", 0, 0, 1, torch.device("cuda", 0), None)
+    ).bf16_weights  # the default: fp32
 
 
 def test_what_a_resolved_strategy_cannot_run_is_refused_naming_the_fix():

@@ -11,7 +11,14 @@ from trainer.config import ConfigError
 from trainer.config_loader import load_config
 from trainer.worker.runtime import check_batch, resolve
 
-DIST_ENV = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+DIST_ENV = {
+    "RANK": "1",
+    "WORLD_SIZE": "2",
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "29500",
+    "LOCAL_RANK": "1",
+    "LOCAL_WORLD_SIZE": "2",
+}
 
 
 @pytest.fixture
@@ -27,7 +34,14 @@ def test_auto_is_the_cpu_alone_and_ddp_under_torchrun(no_cuda):
     for k, v in DIST_ENV.items():
         no_cuda.setenv(k, v)
     rt = resolve(load_config())
-    assert (rt.strategy, rt.rank, rt.local_rank, rt.world_size, rt.backend, rt.device.type) == ("ddp", 1, 1, 2, "gloo", "cpu")
+    assert (rt.strategy, rt.rank, rt.local_rank, rt.world_size, rt.backend, rt.device.type) == (
+        "ddp",
+        1,
+        1,
+        2,
+        "gloo",
+        "cpu",
+    )
     assert not rt.is_main
 
 
@@ -86,8 +100,21 @@ def test_two_ranks_stay_identical_and_equal_one_process(tmp_path, strategy):
     args = [*TINY, "train.epochs=1", "train.max_steps=6", "optim.momentum=0.9", "data.crop_padding=4"]
     one, two = tmp_path / "one.pt", tmp_path / "two.pt"
     run([sys.executable, "tests/ddp_probe.py", str(one), *args, f"checkpoint.dir={tmp_path / 'a'}"])
-    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "tests/ddp_probe.py", str(two), *args,
-         f"checkpoint.dir={tmp_path / 'b'}", f"train.strategy={strategy}"], env=env(MASTER_PORT=str(free_port())))
+    run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "tests/ddp_probe.py",
+            str(two),
+            *args,
+            f"checkpoint.dir={tmp_path / 'b'}",
+            f"train.strategy={strategy}",
+        ],
+        env=env(MASTER_PORT=str(free_port())),
+    )
     a, b = torch.load(one), torch.load(two)
     assert b["max_rank_diff"] == 0.0, "ranks diverged"
     assert a["flat"].dtype == torch.float64 and not torch.equal(a["flat"], torch.zeros_like(a["flat"]))
@@ -97,7 +124,9 @@ def test_two_ranks_stay_identical_and_equal_one_process(tmp_path, strategy):
 @pytest.mark.slow
 def test_only_rank_zero_prints_and_writes(tmp_path, ckpt):
     logs = tmp_path / "logs"
-    cmd = torchrun_cmd(2, "train", *TINY, f"checkpoint.dir={ckpt}", "train.epochs=1", extra=(f"--log-dir={logs}", "--redirects=3"))
+    cmd = torchrun_cmd(
+        2, "train", *TINY, f"checkpoint.dir={ckpt}", "train.epochs=1", extra=(f"--log-dir={logs}", "--redirects=3")
+    )
     run(cmd)
     outs = {p.parent.name: p.read_text() for p in logs.rglob("stdout.log")}
     assert "epoch 1/1" in outs["0"] and outs["1"].strip() == ""
@@ -114,11 +143,29 @@ def test_multi_node_rendezvous_on_one_host(tmp_path, ckpt):
 
     port = free_port()
     cmds = [
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", f"--node-rank={i}", "--rdzv-backend=c10d",
-         f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=job1", "-m", "trainer", "train", *TINY, f"checkpoint.dir={ckpt}", "train.epochs=1"]
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            "--nproc-per-node=1",
+            f"--node-rank={i}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            "--rdzv-id=job1",
+            "-m",
+            "trainer",
+            "train",
+            *TINY,
+            f"checkpoint.dir={ckpt}",
+            "train.epochs=1",
+        ]
         for i in range(2)
     ]
-    procs = [subprocess.Popen(c, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for c in cmds]
+    procs = [
+        subprocess.Popen(c, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for c in cmds
+    ]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert "strategy ddp x2" in "".join(outs) and (ckpt / "step-16").is_dir()
@@ -127,8 +174,21 @@ def test_multi_node_rendezvous_on_one_host(tmp_path, ckpt):
 @pytest.mark.slow
 def test_legacy_torch_distributed_launch_still_works(ckpt):
     """The article's launcher passes --local-rank=N to the module; it is accepted."""
-    p = run([sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node=2", f"--master_port={free_port()}", "-m", "trainer",
-             "train", *TINY, f"checkpoint.dir={ckpt}", "train.epochs=1"])
+    p = run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.launch",
+            "--nproc_per_node=2",
+            f"--master_port={free_port()}",
+            "-m",
+            "trainer",
+            "train",
+            *TINY,
+            f"checkpoint.dir={ckpt}",
+            "train.epochs=1",
+        ]
+    )
     assert "strategy ddp x2" in p.stdout and (ckpt / "step-16").is_dir()
 
 

@@ -80,8 +80,13 @@ def test_missing_cut_or_foreign_shards_are_one_line_and_exit_2(tmp_path):
     tar = next(sh.glob("train-*.tar"))
     whole = tar.read_bytes()
     table = sh / "train.offsets.npy"
-    cases = (("cut", "is cut short or replaced"), ("gone", "is missing or unreadable"), ("no index", "train.json does not exist"),
-             ("no offsets", f"{table} is missing; write the shards again"), ("bad offsets", f"{table} is damaged ("))
+    cases = (
+        ("cut", "is cut short or replaced"),
+        ("gone", "is missing or unreadable"),
+        ("no index", "train.json does not exist"),
+        ("no offsets", f"{table} is missing; write the shards again"),
+        ("bad offsets", f"{table} is damaged ("),
+    )
     for damage, words in cases:
         if damage == "no offsets":
             (sh / "train.json.bak").rename(sh / "train.json")
@@ -106,10 +111,23 @@ def test_shards_that_fit_train_in_memory_and_the_start_line_names_the_data(tmp_p
     root = make_jpegs(tmp_path / "img", train=20, test=5, size=48)
     p = run(trainer_cmd("data", "--shards", str(tmp_path / "sh"), "data.name=imagefolder", f"data.dir={root}"))
     assert "200 train and 50 test images, 10 classes" in p.stdout and f"data.dir={tmp_path / 'sh'}" in p.stdout
-    p = run(trainer_cmd("train", "--config", "configs/smoke.yaml", "data.name=shards", f"data.dir={tmp_path / 'sh'}", "model.name=airnet",
-                        "train.epochs=1", f"checkpoint.dir={tmp_path / 'ck'}"))
+    p = run(
+        trainer_cmd(
+            "train",
+            "--config",
+            "configs/smoke.yaml",
+            "data.name=shards",
+            f"data.dir={tmp_path / 'sh'}",
+            "model.name=airnet",
+            "train.epochs=1",
+            f"checkpoint.dir={tmp_path / 'ck'}",
+        )
+    )
     start = next(line for line in (p.stdout + p.stderr).splitlines() if line.startswith("airnet |"))
-    assert f"shards {tmp_path / 'sh'}: 200 train / 50 test images, 10 classes, 48 px (auto: the images' median shorter side 48 px)" in start
+    assert (
+        f"shards {tmp_path / 'sh'}: 200 train / 50 test images, 10 classes, 48 px (auto: the images' median shorter "
+        f"side 48 px)" in start
+    )
     assert "| in memory, in host memory:" in start
     meta = json.loads((tmp_path / "ck" / "step-3" / "meta.json").read_text())
     assert meta["classes"] == [f"class{c}" for c in range(10)] and meta["config"]["data"]["image_size"] == 48
@@ -129,10 +147,25 @@ def test_the_images_config_trains_from_shards(tmp_path):
     torchvision model, 64 px, two steps."""
     root = make_jpegs(tmp_path / "img", train=4, test=2, size=72)
     shards.write(root, tmp_path / "sh")
-    p = run(trainer_cmd("train", "--config", "configs/images.yaml", f"data.dir={tmp_path / 'sh'}", "model.name=mobilenet_v3_small",
-                        "data.image_size=64", "train.batch_size=16", "train.max_steps=2", f"checkpoint.dir={tmp_path / 'ck'}"))
+    p = run(
+        trainer_cmd(
+            "train",
+            "--config",
+            "configs/images.yaml",
+            f"data.dir={tmp_path / 'sh'}",
+            "model.name=mobilenet_v3_small",
+            "data.image_size=64",
+            "train.batch_size=16",
+            "train.max_steps=2",
+            f"checkpoint.dir={tmp_path / 'ck'}",
+        )
+    )
     out = p.stdout + p.stderr
-    assert "mobilenet_v3_small |" in out and "40 train / 20 test images, 10 classes, 64 px (data.image_size)" in out and "done: step 2" in out
+    assert (
+        "mobilenet_v3_small |" in out
+        and "40 train / 20 test images, 10 classes, 64 px (data.image_size)" in out
+        and "done: step 2" in out
+    )
 
 
 def test_shards_from_tarballs_hold_the_same_images_as_from_the_folder(tmp_path):

@@ -16,15 +16,33 @@ from conftest import ROOT, slow_steps
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 
-def sbatch(script: str, tmp: Path, *overrides: str, wait: bool = True, run_name: str = "t", extra_env: dict | None = None) -> str:
+def sbatch(
+    script: str, tmp: Path, *overrides: str, wait: bool = True, run_name: str = "t", extra_env: dict | None = None
+) -> str:
     assert shutil.which("sbatch"), "Slurm is not installed: run tests/slurm/start-cluster.sh (as .ci/run does)"
     import os
 
-    env = {**os.environ, "NPROC_PER_NODE": "2" if "ddp" in script else "1", "CONFIG": "configs/smoke.yaml",
-           "RUN_NAME": run_name, "SHARED_DIR": str(tmp), "OMP_NUM_THREADS": "1", **(extra_env or {})}
-    cmd = ["sbatch", "--parsable", "--nodes=1", "--gpus-per-node=0", "--cpus-per-task=2", f"--output={tmp}/slurm-%j.out"]
+    env = {
+        **os.environ,
+        "NPROC_PER_NODE": "2" if "ddp" in script else "1",
+        "CONFIG": "configs/smoke.yaml",
+        "RUN_NAME": run_name,
+        "SHARED_DIR": str(tmp),
+        "OMP_NUM_THREADS": "1",
+        **(extra_env or {}),
+    }
+    cmd = [
+        "sbatch",
+        "--parsable",
+        "--nodes=1",
+        "--gpus-per-node=0",
+        "--cpus-per-task=2",
+        f"--output={tmp}/slurm-%j.out",
+    ]
     cmd += ["--wait"] if wait else []
-    p = subprocess.run([*cmd, script, "train.plot=false", *overrides], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        [*cmd, script, "train.plot=false", *overrides], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
     job = p.stdout.strip().split(";")[0]
     if wait:
         assert p.returncode == 0, f"sbatch exited {p.returncode}: {p.stderr}\n{log(tmp, job)}"
@@ -42,7 +60,10 @@ def job_field(job: str, name: str) -> str:
     return m.group(1) if m else ""
 
 
-@pytest.mark.parametrize("script, args, shown", [("slurm/ddp.sh", [], "strategy ddp x2"), ("slurm/single.sh", ["train.strategy=cpu"], "strategy cpu x1")])
+@pytest.mark.parametrize(
+    "script, args, shown",
+    [("slurm/ddp.sh", [], "strategy ddp x2"), ("slurm/single.sh", ["train.strategy=cpu"], "strategy cpu x1")],
+)
 def test_batch_scripts_train_and_checkpoint(tmp_path, script, args, shown):
     job = sbatch(script, tmp_path, "train.epochs=1", *args)
     assert job_field(job, "JobState") == "COMPLETED" and job_field(job, "ExitCode") == "0:0"
@@ -64,7 +85,15 @@ def test_single_script_on_cpu_strategy_names_the_problem(tmp_path):
 
 def training_job(tmp_path: Path, run_name: str) -> str:
     """An 8-epoch ddp.sh job of steps of 50 ms or more (256 of them), returned once it has logged a training step."""
-    job = sbatch("slurm/ddp.sh", tmp_path, "train.epochs=8", "train.log_every=4", wait=False, run_name=run_name, extra_env=slow_steps(0.05))
+    job = sbatch(
+        "slurm/ddp.sh",
+        tmp_path,
+        "train.epochs=8",
+        "train.log_every=4",
+        wait=False,
+        run_name=run_name,
+        extra_env=slow_steps(0.05),
+    )
     metrics = tmp_path / "checkpoints" / run_name / "metrics.jsonl"
     deadline = time.time() + 240
     while time.time() < deadline and not (metrics.exists() and '"event": "log"' in metrics.read_text()):
@@ -122,8 +151,16 @@ def test_the_ddp_script_asks_for_requeue_a_time_limit_and_one_task_per_node(tmp_
 # TorchX's own sbatch script (torchx 0.7): no USR1, a requeue on any failure while --max_retries
 # allows, srun without -c. The supervisor looks after the job there (trainer/launch/slurm.py).
 
-def torchx_slurm_cmd(tmp: Path, *overrides: str, max_retries: int = 0, margin_s: int = 95, minutes: int | None = 2,
-                     nproc: int = 2, nnodes: int = 1) -> list[str]:
+
+def torchx_slurm_cmd(
+    tmp: Path,
+    *overrides: str,
+    max_retries: int = 0,
+    margin_s: int = 95,
+    minutes: int | None = 2,
+    nproc: int = 2,
+    nnodes: int = 1,
+) -> list[str]:
     """`torchx run -s slurm` of the DDP component (CPU processes): its command line. ``tmp/job`` is
     the job folder (made here), ``tmp/ck/run`` the run's checkpoints. TorchX submits more than one
     node as a heterogeneous job, a component per node."""
@@ -131,12 +168,41 @@ def torchx_slurm_cmd(tmp: Path, *overrides: str, max_retries: int = 0, margin_s:
 
     (tmp / "job").mkdir()
     time_limit = f"time={minutes}," if minutes else ""
-    return [str(Path(sys.executable).parent / "torchx"), "run", "--workspace", "", "-s", "slurm", "-cfg", f"{time_limit}job_dir={tmp / 'job'}",
-            f"{ROOT / 'trainer' / 'launch' / 'components.py'}:train_ddp", "--j", f"{nnodes}x{nproc}", "--gpu", "0", "--cpu", "2", "--memMB", "1000",
-            "--max_retries", str(max_retries), "--config", str(ROOT / "configs" / "smoke.yaml"), "--checkpoint_mount", "",
-            "--checkpoint_dir", str(tmp / "ck" / "run"), "--data_dir", str(tmp / "data"),
-            "--env", f"TRAINER_PYTHON={sys.executable},TRAINER_SLURM_MARGIN_S={margin_s},OMP_NUM_THREADS=1",
-            "--", "train.plot=false", "train.log_every=50", *overrides]
+    return [
+        str(Path(sys.executable).parent / "torchx"),
+        "run",
+        "--workspace",
+        "",
+        "-s",
+        "slurm",
+        "-cfg",
+        f"{time_limit}job_dir={tmp / 'job'}",
+        f"{ROOT / 'trainer' / 'launch' / 'components.py'}:train_ddp",
+        "--j",
+        f"{nnodes}x{nproc}",
+        "--gpu",
+        "0",
+        "--cpu",
+        "2",
+        "--memMB",
+        "1000",
+        "--max_retries",
+        str(max_retries),
+        "--config",
+        str(ROOT / "configs" / "smoke.yaml"),
+        "--checkpoint_mount",
+        "",
+        "--checkpoint_dir",
+        str(tmp / "ck" / "run"),
+        "--data_dir",
+        str(tmp / "data"),
+        "--env",
+        f"TRAINER_PYTHON={sys.executable},TRAINER_SLURM_MARGIN_S={margin_s},OMP_NUM_THREADS=1",
+        "--",
+        "train.plot=false",
+        "train.log_every=50",
+        *overrides,
+    ]
 
 
 def torchx_job_id(p: subprocess.CompletedProcess) -> str:
@@ -147,14 +213,18 @@ def torchx_job_id(p: subprocess.CompletedProcess) -> str:
     return m.group(1)
 
 
-def torchx_slurm(tmp: Path, *overrides: str, max_retries: int = 0, margin_s: int = 95, minutes: int = 2, environ: dict | None = None) -> str:
+def torchx_slurm(
+    tmp: Path, *overrides: str, max_retries: int = 0, margin_s: int = 95, minutes: int = 2, environ: dict | None = None
+) -> str:
     """`torchx run -s slurm` on the one-node cluster; its job id. The job's variables: ``environ``
     (sbatch passes the submitter's on; torchx's --env takes no value with '=')."""
     from conftest import env
 
     cmd = torchx_slurm_cmd(tmp, *overrides, max_retries=max_retries, margin_s=margin_s, minutes=minutes)
     # torchx writes .torchxslurmjobdirs into its working folder
-    return torchx_job_id(subprocess.run(cmd, cwd=tmp, env=env(**(environ or {})), capture_output=True, text=True, timeout=120))
+    return torchx_job_id(
+        subprocess.run(cmd, cwd=tmp, env=env(**(environ or {})), capture_output=True, text=True, timeout=120)
+    )
 
 
 def records(tmp: Path) -> list[dict]:
@@ -216,7 +286,11 @@ def test_torchx_job_with_bad_input_is_not_requeued_even_with_retries_left(tmp_pa
         time.sleep(1)
     time.sleep(2)  # duration: of a look for a requeue, which would show by now
     err = (tmp_path / "job" / f"slurm-{job}-trainer-0.err").read_text()
-    assert job_field(job, "JobState") == "FAILED" and job_field(job, "Restarts") == "0" and job_field(job, "Requeue") == "0", err
+    assert (
+        job_field(job, "JobState") == "FAILED"
+        and job_field(job, "Restarts") == "0"
+        and job_field(job, "Requeue") == "0"
+    ), err
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "train.epochs" in errors[0], err
     assert "is no longer requeueable" in err and "Traceback" not in err
@@ -229,13 +303,35 @@ def test_a_step_with_fewer_cpus_than_the_job_asked_says_how_to_fix_it(confined):
 
     # srun -c 2, then confined to one CPU as srun without -c confines a task where Slurm binds tasks
     taskset = ["taskset", "-c", "0"] if confined else []
-    p = subprocess.run(["srun", "-c", "2", *taskset, "env", "TRAINER_SLURM_MARGIN_S=soon", sys.executable,
-                        "-m", "trainer", "torchrun", "--nproc-per-node", "1", "-m", "trainer", "train"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [
+            "srun",
+            "-c",
+            "2",
+            *taskset,
+            "env",
+            "TRAINER_SLURM_MARGIN_S=soon",
+            sys.executable,
+            "-m",
+            "trainer",
+            "torchrun",
+            "--nproc-per-node",
+            "1",
+            "-m",
+            "trainer",
+            "train",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     lines = [line for line in p.stderr.splitlines() if not line.startswith("srun: ")]
     assert p.returncode == 2, p.stdout + p.stderr
-    warning = ("slurm: warning: this job step runs on 1 CPU(s) of the 2 per task the job holds (srun has not passed "
-               "--cpus-per-task on since Slurm 22.05): export SRUN_CPUS_PER_TASK=2 before sbatch or torchx run, or srun -c 2")
+    warning = (
+        "slurm: warning: this job step runs on 1 CPU(s) of the 2 per task the job holds (srun has not passed "
+        "--cpus-per-task on since Slurm 22.05): export SRUN_CPUS_PER_TASK=2 before sbatch or torchx run, or srun -c 2"
+    )
     assert lines[:-1] == ([warning] if confined else []), p.stderr
     assert lines[-1].startswith("error: TRAINER_SLURM_MARGIN_S='soon' is not a number of seconds"), p.stderr
 
@@ -246,12 +342,32 @@ def test_your_images_from_a_folder_to_a_model_on_slurm(tmp_path):
     from conftest import make_jpegs, run, trainer_cmd
 
     make_jpegs(tmp_path / "myset", train=24, test=6, size=40)
-    run(trainer_cmd("data", "--shards", str(tmp_path / "myset-shards"), "data.name=imagefolder", f"data.dir={tmp_path / 'myset'}"), cwd=ROOT)
-    job = sbatch("slurm/ddp.sh", tmp_path, "data.name=shards", "data.loader=stream", "data.image_size=32", "train.epochs=1",
-                 "train.batch_size=24", extra_env={"DATA_DIR": str(tmp_path / "myset-shards")})
+    run(
+        trainer_cmd(
+            "data",
+            "--shards",
+            str(tmp_path / "myset-shards"),
+            "data.name=imagefolder",
+            f"data.dir={tmp_path / 'myset'}",
+        ),
+        cwd=ROOT,
+    )
+    job = sbatch(
+        "slurm/ddp.sh",
+        tmp_path,
+        "data.name=shards",
+        "data.loader=stream",
+        "data.image_size=32",
+        "train.epochs=1",
+        "train.batch_size=24",
+        extra_env={"DATA_DIR": str(tmp_path / "myset-shards")},
+    )
     out = log(tmp_path, job)
     assert job_field(job, "ExitCode") == "0:0" and "done: step 10" in out, out
-    assert f"shards {tmp_path / 'myset-shards'}: 240 train / 60 test images, 10 classes, 32 px" in out and "streamed from shards" in out
+    assert (
+        f"shards {tmp_path / 'myset-shards'}: 240 train / 60 test images, 10 classes, 32 px" in out
+        and "streamed from shards" in out
+    )
 
 
 def test_an_etcd_rendezvous_endpoint_takes_the_place_of_the_first_nodes(tmp_path, etcd_server):
@@ -264,7 +380,9 @@ def test_an_etcd_rendezvous_endpoint_takes_the_place_of_the_first_nodes(tmp_path
     out = log(tmp_path, job)
     assert job_field(job, "ExitCode") == "0:0" and "done: step" in out, out
     assert f"rendezvous at 127.0.0.1:{port}," in out, out
-    assert etcd.Client(port=port).read(f"/torch/elastic/rendezvous/{job}", recursive=True).key, "no rendezvous state in etcd"
+    assert etcd.Client(port=port).read(f"/torch/elastic/rendezvous/{job}", recursive=True).key, (
+        "no rendezvous state in etcd"
+    )
 
 
 def test_the_batch_script_finds_pretrained_weights_in_the_shared_folder(tmp_path):
@@ -273,7 +391,20 @@ def test_the_batch_script_finds_pretrained_weights_in_the_shared_folder(tmp_path
     from test_pretrained import NO_NETWORK, hub_with_resnet18
 
     hub_with_resnet18(tmp_path / "torch")
-    job = sbatch("slurm/single.sh", tmp_path, "train.strategy=cpu", "model.name=torchvision.resnet18", "model.weights=IMAGENET1K_V1",
-                 "train.max_steps=2", "data.synthetic_train_size=256", "data.synthetic_test_size=64", extra_env=NO_NETWORK)
+    job = sbatch(
+        "slurm/single.sh",
+        tmp_path,
+        "train.strategy=cpu",
+        "model.name=torchvision.resnet18",
+        "model.weights=IMAGENET1K_V1",
+        "train.max_steps=2",
+        "data.synthetic_train_size=256",
+        "data.synthetic_test_size=64",
+        extra_env=NO_NETWORK,
+    )
     out = log(tmp_path, job)
-    assert job_field(job, "ExitCode") == "0:0" and "weights ResNet18_Weights.IMAGENET1K_V1" in out and "done: step 2" in out, out
+    assert (
+        job_field(job, "ExitCode") == "0:0"
+        and "weights ResNet18_Weights.IMAGENET1K_V1" in out
+        and "done: step 2" in out
+    ), out

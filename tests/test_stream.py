@@ -28,7 +28,10 @@ def shard_dir(tmp_path) -> Path:
 
 def global_batch(sh: Path, world: int, epoch: int, step: int, per_rank: int) -> tuple[list[int], torch.Tensor]:
     """Every rank's part of one global step, put back in global order: ids and images."""
-    parts = [StepBatches(ShardSet(sh, "train"), r, world, per_rank, seed=3, size=24, flip=True, on_cpu=True)[(epoch, step)] for r in range(world)]
+    parts = [
+        StepBatches(ShardSet(sh, "train"), r, world, per_rank, seed=3, size=24, flip=True, on_cpu=True)[(epoch, step)]
+        for r in range(world)
+    ]
     ids, images = [0] * (per_rank * world), [None] * (per_rank * world)
     for r, (x, _, idx, _) in enumerate(parts):
         for j in range(per_rank):
@@ -75,15 +78,27 @@ def test_a_damaged_jpeg_in_a_shard_is_skipped_counted_and_past_the_limit_stops(s
     from trainer.worker.runtime import setup, teardown
 
     name = damage_one_jpeg(shard_dir)
-    base = ["data.name=shards", f"data.dir={shard_dir}", "data.image_size=24", "train.batch_size=120", "data.stream_workers=1",
-            "train.strategy=cpu", "checkpoint.dir=/tmp/unused"]
+    base = [
+        "data.name=shards",
+        f"data.dir={shard_dir}",
+        "data.image_size=24",
+        "train.batch_size=120",
+        "data.stream_workers=1",
+        "train.strategy=cpu",
+        "checkpoint.dir=/tmp/unused",
+    ]
     for limit, stops in ((1, False), (0, True)):
         cfg = load_config(None, [*base, f"data.max_bad_images={limit}"])
         rt = setup(cfg)
         try:
-            loader = StreamLoader(Streamed(shard_dir, "train"), cfg, rt, 120, Augment(cfg, rt, False, 120, 1), gpu_decode=False)
+            loader = StreamLoader(
+                Streamed(shard_dir, "train"), cfg, rt, 120, Augment(cfg, rt, False, 120, 1), gpu_decode=False
+            )
             if stops:
-                with pytest.raises(ConfigError, match=r"1 images did not decode on rank 0 \(past data.max_bad_images=0; last in train-000000.tar\)"):
+                with pytest.raises(
+                    ConfigError,
+                    match=r"1 images did not decode on rank 0 \(past data.max_bad_images=0; last in train-000000.tar\)",
+                ):
                     list(loader.epoch(0))
                 continue
             ((x, y, idx),) = list(loader.epoch(0))
@@ -100,12 +115,30 @@ def test_random_bytes_in_a_shards_place_stop_the_run_in_one_line_naming_it(shard
 
     tar = next(shard_dir.glob("train-*.tar"))
     tar.write_bytes(os.urandom(tar.stat().st_size))
-    p = run([*trainer_cmd("train", "data.name=shards", f"data.dir={shard_dir}", "data.loader=stream", "data.stream_workers=1",
-                          "train.batch_size=40", "train.epochs=1", "model.name=tinynet", "data.image_size=32", "model.compile=false", "train.plot=false",
-                          f"checkpoint.dir={tmp_path / 'ck'}")], check=False)
+    p = run(
+        [
+            *trainer_cmd(
+                "train",
+                "data.name=shards",
+                f"data.dir={shard_dir}",
+                "data.loader=stream",
+                "data.stream_workers=1",
+                "train.batch_size=40",
+                "train.epochs=1",
+                "model.name=tinynet",
+                "data.image_size=32",
+                "model.compile=false",
+                "train.plot=false",
+                f"checkpoint.dir={tmp_path / 'ck'}",
+            )
+        ],
+        check=False,
+    )
     out = p.stdout + p.stderr
     assert p.returncode == 2 and "Traceback" not in out and "DataLoader worker" not in out, out[-3000:]
-    assert p.stderr.strip().splitlines()[-1].startswith(f"error: no image of a batch decodes (first: {tar.name}:"), p.stderr[-1000:]
+    assert p.stderr.strip().splitlines()[-1].startswith(f"error: no image of a batch decodes (first: {tar.name}:"), (
+        p.stderr[-1000:]
+    )
     assert f"{tar.name} is damaged or not a shard; write the shards again with trainer data --shards" in p.stderr
 
 
@@ -122,13 +155,26 @@ def test_the_gpu_paths_batch_crop_matches_the_cpu_workers_per_image_crops(tmp_pa
     """decode_on_gpu's logic, run on the CPU (the GPU suite runs it with nvjpeg): one buffer from
     the worker, one roi_align for the batch (in chunks, images of mixed sizes padded), a damaged
     JPEG replaced as the CPU workers replace it."""
-    from trainer.worker.data.stream import boxes, crop_batch, crop_resize, decode_cpu, decode_crop_cpu, decode_on_gpu, read, step_uniforms
+    from trainer.worker.data.stream import (
+        boxes,
+        crop_batch,
+        crop_resize,
+        decode_cpu,
+        decode_crop_cpu,
+        decode_on_gpu,
+        read,
+        step_uniforms,
+    )
 
     name = damage_one_jpeg(shard_dir)
-    buf, labels, idx, u, where = StepBatches(ShardSet(shard_dir, "train"), 0, 1, 24, seed=3, size=24, flip=True, on_cpu=False)[(0, 0)]
+    buf, labels, idx, u, where = StepBatches(
+        ShardSet(shard_dir, "train"), 0, 1, 24, seed=3, size=24, flip=True, on_cpu=False
+    )[(0, 0)]
     assert buf[0].dim() == 1 and sum(buf[1]) == buf[0].numel()  # one buffer, its parts' lengths
     x, y, bad = decode_on_gpu(buf, labels.clone(), where, 24, torch.device("cpu"), u, True)
-    cx, cy, cbad = decode_crop_cpu(read(ShardSet(shard_dir, "train"), idx.tolist())[0], labels.clone(), where, 24, u, True)
+    cx, cy, cbad = decode_crop_cpu(
+        read(ShardSet(shard_dir, "train"), idx.tolist())[0], labels.clone(), where, 24, u, True
+    )
     assert x.dtype == torch.float and x.shape == cx.shape == (24, 3, 24, 24) and torch.equal(y, cy) and bad == cbad
     assert name not in where or bad == [name]
     assert (x - cx.float()).abs().mean() < 3  # 0-255 levels: averaged bilinear samples against an antialiased resize
@@ -139,7 +185,10 @@ def test_the_gpu_paths_batch_crop_matches_the_cpu_workers_per_image_crops(tmp_pa
     assert len({im.shape for im in images}) > 1  # mixed sizes: padded into one batch
     at, mirror = boxes(images, 32, step_uniforms(0, 0, 0, 12), True)
     per_image = torch.stack([crop_resize(im, at[j], 32, mirror[j]) for j, im in enumerate(images)]).float()
-    whole, chunked = crop_batch(images, at, mirror, 32), crop_batch(images, at, mirror, 32, chunk_values=2 * 3 * 128 * 200)
+    whole, chunked = (
+        crop_batch(images, at, mirror, 32),
+        crop_batch(images, at, mirror, 32, chunk_values=2 * 3 * 128 * 200),
+    )
     assert torch.equal(whole, chunked) and (whole - per_image).abs().mean() < 3
 
 
@@ -154,13 +203,23 @@ def test_the_gpu_paths_decode_ahead_thread_keeps_order_stops_cleanly_and_raises_
     from trainer.worker.data.stream import Streamed, StreamLoader
     from trainer.worker.runtime import setup, teardown
 
-    base = ["data.name=shards", f"data.dir={shard_dir}", "data.image_size=24", "train.batch_size=20", "data.stream_workers=2",
-            "train.strategy=cpu", "checkpoint.dir=/tmp/unused"]
+    base = [
+        "data.name=shards",
+        f"data.dir={shard_dir}",
+        "data.image_size=24",
+        "train.batch_size=20",
+        "data.stream_workers=2",
+        "train.strategy=cpu",
+        "checkpoint.dir=/tmp/unused",
+    ]
     cfg = load_config(None, base)
     rt = setup(cfg)
     try:
+
         def loader(ahead: bool) -> StreamLoader:
-            return StreamLoader(Streamed(shard_dir, "train"), cfg, rt, 20, Augment(cfg, rt, True, 20, 6), gpu_decode=ahead)
+            return StreamLoader(
+                Streamed(shard_dir, "train"), cfg, rt, 20, Augment(cfg, rt, True, 20, 6), gpu_decode=ahead
+            )
 
         plain, ahead = list(loader(False).epoch(1)), list(loader(True).epoch(1))
         assert len(plain) == len(ahead) == 6
@@ -179,7 +238,11 @@ def test_the_gpu_paths_decode_ahead_thread_keeps_order_stops_cleanly_and_raises_
     rt = setup(cfg)
     try:
         with pytest.raises(ConfigError, match=r"past data.max_bad_images=0"):
-            list(StreamLoader(Streamed(shard_dir, "train"), cfg, rt, 120, Augment(cfg, rt, False, 120, 1), gpu_decode=True).epoch(0))
+            list(
+                StreamLoader(
+                    Streamed(shard_dir, "train"), cfg, rt, 120, Augment(cfg, rt, False, 120, 1), gpu_decode=True
+                ).epoch(0)
+            )
     finally:
         teardown()
     assert not any(t.name == "gpu-decode-ahead" for t in threading.enumerate())
@@ -190,8 +253,19 @@ def test_a_resume_at_another_world_size_continues_the_order_with_every_image_onc
     """Real torchrun: 2 processes train 7 steps of the 10-step epoch and stop, 3 processes resume
     from that checkpoint and finish 2 epochs. Every image of each epoch trains exactly once, step
     by step the same global batches as one process trains."""
-    job = ["--config", "configs/smoke.yaml", "data.name=shards", f"data.dir={shard_dir}", "data.loader=stream", "data.image_size=32",
-           "train.batch_size=12", "train.epochs=2", "data.stream_workers=1", "train.plot=false", "train.tensorboard=false"]
+    job = [
+        "--config",
+        "configs/smoke.yaml",
+        "data.name=shards",
+        f"data.dir={shard_dir}",
+        "data.loader=stream",
+        "data.image_size=32",
+        "train.batch_size=12",
+        "train.epochs=2",
+        "data.stream_workers=1",
+        "train.plot=false",
+        "train.tensorboard=false",
+    ]
 
     def steps(folder: Path) -> dict[tuple[int, int], list[int]]:
         out: dict[tuple[int, int], list[int]] = {}
@@ -204,10 +278,22 @@ def test_a_resume_at_another_world_size_continues_the_order_with_every_image_onc
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir()
     two.mkdir()
-    run(["python", "-m", "trainer", "train", *job, f"checkpoint.dir={tmp_path / 'ck1'}"], env=env(TRAINER_SAMPLE_TRACE=str(one)), cwd=ROOT)
-    run(torchrun_cmd(2, "train", *job, "train.max_steps=7", f"checkpoint.dir={tmp_path / 'ck2'}"), env=env(TRAINER_SAMPLE_TRACE=str(two)), cwd=ROOT)
+    run(
+        ["python", "-m", "trainer", "train", *job, f"checkpoint.dir={tmp_path / 'ck1'}"],
+        env=env(TRAINER_SAMPLE_TRACE=str(one)),
+        cwd=ROOT,
+    )
+    run(
+        torchrun_cmd(2, "train", *job, "train.max_steps=7", f"checkpoint.dir={tmp_path / 'ck2'}"),
+        env=env(TRAINER_SAMPLE_TRACE=str(two)),
+        cwd=ROOT,
+    )
     assert max(steps(two)) == (0, 6)
-    p = run(torchrun_cmd(3, "train", *job, f"checkpoint.dir={tmp_path / 'ck2'}"), env=env(TRAINER_SAMPLE_TRACE=str(two)), cwd=ROOT)
+    p = run(
+        torchrun_cmd(3, "train", *job, f"checkpoint.dir={tmp_path / 'ck2'}"),
+        env=env(TRAINER_SAMPLE_TRACE=str(two)),
+        cwd=ROOT,
+    )
     assert "resuming from" in p.stdout + p.stderr and "(epoch 0, step 7)" in p.stdout + p.stderr
     reference, resumed = steps(one), steps(two)
     assert sorted(resumed) == sorted(reference) and len(reference) == 20

@@ -34,7 +34,11 @@ except SignalException:
 def test_a_stop_that_lands_inside_a_log_call_stops_and_prints_no_logging_error():
     """torch's handler raises where the main thread is; inside logging's emit, logging printed its
     '--- Logging error ---' page (60-odd lines of stack into the Slurm output) and the stop was lost."""
-    before = subprocess.run([sys.executable, "-c", RAISED_IN_LOGGING, "plain"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    before = subprocess.run(
+        [sys.executable, "-c", RAISED_IN_LOGGING, "plain"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert "the stop was lost" in before.stdout and "--- Logging error ---" in before.stderr  # what torch alone does
-    after = subprocess.run([sys.executable, "-c", RAISED_IN_LOGGING, "fixed"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    after = subprocess.run(
+        [sys.executable, "-c", RAISED_IN_LOGGING, "fixed"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert after.stdout.strip() == "stopped" and "Logging error" not in after.stderr, after.stdout + after.stderr

@@ -89,7 +89,8 @@ def test_slow_steps_raise_the_bound_but_never_past_the_collective_timeout(tmp_pa
     for _ in range(5):
         alone._pause(40.0, "step")
     assert alone.bound() == pytest.approx(400)
-    assert Watchdog(180, tmp_path, 0, timeout_s=30, world_size=2).bound() == pytest.approx(27)  # the setting itself is held below it
+    # the setting itself is held below it
+    assert Watchdog(180, tmp_path, 0, timeout_s=30, world_size=2).bound() == pytest.approx(27)
 
 
 STALL_THEN_BLOCK = """
@@ -110,15 +111,25 @@ time.sleep(600)  # then a read that blocks for good
 
 
 def test_after_a_recovered_stall_a_hang_is_still_caught_within_the_setting(tmp_path):
-    p = subprocess.Popen([sys.executable, "-c", STALL_THEN_BLOCK, str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=env(), cwd=ROOT)
+    p = subprocess.Popen(
+        [sys.executable, "-c", STALL_THEN_BLOCK, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env(),
+        cwd=ROOT,
+    )
     first = p.stdout.readline()
     t_block = time.monotonic()
     code = p.wait(timeout=60)
     caught = time.monotonic() - t_block
-    assert code == EXIT_HUNG and first.split()[:2] == ["stalled", first.split()[1]] and float(first.split()[1]) >= 2, (first, p.stderr.read())
+    assert code == EXIT_HUNG and first.split()[:2] == ["stalled", first.split()[1]] and float(first.split()[1]) >= 2, (
+        first,
+        p.stderr.read(),
+    )
     assert "bound 3.0" in first  # the stall raised nothing (10 x 2.5 s = 25 s before)
-    assert caught < 3 + 10  # the setting, a tick, and a loaded machine's slack: far below the 25 s a stall-raised bound gave
+    # the setting, a tick, and a loaded machine's slack: far below the 25 s a stall-raised bound gave
+    assert caught < 3 + 10
     line = [x for x in p.stderr.read().splitlines() if x.startswith("rank 0")]
     assert line and "blocked in its own data read" in line[0], line
 
@@ -135,7 +146,13 @@ def test_the_heartbeat_file_says_who_and_goes_with_close(tmp_path, monkeypatch):
     dog = Watchdog(30, tmp_path / "run", 3)
     dog.beat(7)
     info = json.loads((tmp_path / "hb-3").read_text())
-    assert info == {"pid": os.getpid(), "rank": 3, "step": 7, "bound_s": 30.0, "hang_file": str(tmp_path / "run" / "hang-rank3.txt")}
+    assert info == {
+        "pid": os.getpid(),
+        "rank": 3,
+        "step": 7,
+        "bound_s": 30.0,
+        "hang_file": str(tmp_path / "run" / "hang-rank3.txt"),
+    }
     dog.close()
     assert not (tmp_path / "hb-3").exists()
 
@@ -154,11 +171,18 @@ read_that_blocks()
 
 def test_a_blocked_worker_writes_its_stacks_and_exits_124(tmp_path):
     t0 = time.time()
-    p = subprocess.run([sys.executable, "-c", BLOCKED, str(tmp_path)], capture_output=True, text=True, timeout=60, env=env(), cwd=ROOT)
+    p = subprocess.run(
+        [sys.executable, "-c", BLOCKED, str(tmp_path)], capture_output=True, text=True, timeout=60, env=env(), cwd=ROOT
+    )
     assert p.returncode == EXIT_HUNG, p.stderr
     assert time.time() - t0 < 2 + 10  # the bound, a tick, and the interpreter's start
     stacks = (tmp_path / "hang-rank5.txt").read_text()
-    assert "rank 5" in stacks and "after step 41" in stacks and "read_that_blocks" in stacks and 'File "<string>"' in stacks
+    assert (
+        "rank 5" in stacks
+        and "after step 41" in stacks
+        and "read_that_blocks" in stacks
+        and 'File "<string>"' in stacks
+    )
     line = [x for x in p.stderr.splitlines() if x.startswith("rank 5 (")]
     assert line and "dist.hang_timeout_s" in line[0] and str(tmp_path / "hang-rank5.txt") in line[0], p.stderr
 
@@ -166,7 +190,8 @@ def test_a_blocked_worker_writes_its_stacks_and_exits_124(tmp_path):
 def stopped_process() -> subprocess.Popen:
     p = subprocess.Popen(["sleep", "300"])
     os.kill(p.pid, signal.SIGSTOP)
-    deadline = time.time() + 10  # the signal is delivered asynchronously: on a busy machine the state reads R for a while
+    # the signal is delivered asynchronously: on a busy machine the state reads R for a while
+    deadline = time.time() + 10
     while time.time() < deadline and psutil.Process(p.pid).status() != psutil.STATUS_STOPPED:
         time.sleep(0.01)
     return p
@@ -174,7 +199,17 @@ def stopped_process() -> subprocess.Popen:
 
 def heartbeat(folder: Path, pid: int, rank: int, age_s: float, bound_s: float = 5) -> Path:
     hb = folder / f"hb-{rank}"
-    hb.write_text(json.dumps({"pid": pid, "rank": rank, "step": 12, "bound_s": bound_s, "hang_file": str(folder / f"hang-rank{rank}.txt")}))
+    hb.write_text(
+        json.dumps(
+            {
+                "pid": pid,
+                "rank": rank,
+                "step": 12,
+                "bound_s": bound_s,
+                "hang_file": str(folder / f"hang-rank{rank}.txt"),
+            }
+        )
+    )
     os.utime(hb, (time.time() - age_s, time.time() - age_s))
     return hb
 
@@ -201,8 +236,15 @@ def test_the_supervisor_kills_a_stopped_worker_past_its_bound_and_no_other(tmp_p
 def test_a_stopped_python_worker_gets_its_stacks_read_from_outside(tmp_path):
     """A worker too frozen to write its own stacks (SIGSTOP): the supervisor reads them with py-spy
     before it kills the process, so the hang file says where it stood."""
-    p = subprocess.Popen([sys.executable, "-c", "import time\ndef read_that_blocks():\n    time.sleep(300)\nprint('up', flush=True)\nread_that_blocks()"],
-                         stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time\ndef read_that_blocks():\n    time.sleep(300)\nprint('up', flush=True)\nread_that_blocks()",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert p.stdout.readline().strip() == "up"
         os.kill(p.pid, signal.SIGSTOP)
@@ -230,8 +272,16 @@ JOB = [*TINY, "train.epochs=24", "train.log_every=4", "dist.hang_timeout_s=5"]
 
 def launch(ckpt: Path, nproc: int, extra_env: dict | None = None) -> subprocess.Popen:
     cmd = trainer_cmd("launch", "--nproc-per-node", str(nproc), *JOB, f"checkpoint.dir={ckpt}")
-    return subprocess.Popen(cmd, cwd=ROOT, env=env(**(extra_env or {})), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            bufsize=1, start_new_session=True)
+    return subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env(**(extra_env or {})),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+        start_new_session=True,
+    )
 
 
 def follow(agent: subprocess.Popen, on_line=None, timeout: float = 240) -> tuple[str, dict]:
@@ -350,7 +400,8 @@ def test_a_stopped_rank_is_said_silent_for_as_long_as_it_has_not_run_not_as_long
 def test_a_rank_blocked_in_its_data_read_is_named(store):
     waiting, reading = watchdog.Peers(0, 2), watchdog.Peers(1, 2)
     reading.host = "node2"
-    observe_for(waiting, 0.6, others=[(reading, "data")])  # alive (its watchdog thread writes), its main thread in a read
+    # alive (its watchdog thread writes), its main thread in a read
+    observe_for(waiting, 0.6, others=[(reading, "data")])
     clause = waiting.culprit(13)
     assert "rank 1 (node2), blocked in its data read at step 12" in clause, clause
     observe_for(waiting, 0.3, others=[(reading, "step")])
@@ -410,13 +461,21 @@ def test_nccl_flight_records_go_to_the_run_folder_and_a_line_names_only_this_pro
     (one left by an earlier attempt is not this fault's)."""
     from trainer.worker.runtime import flight_recorder
 
-    for name in ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"):
+    for name in (
+        "TORCH_FR_DUMP_TEMP_FILE",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT",
+        "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC",
+    ):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/elsewhere/trace-")
     flight_recorder(tmp_path / "run")
     assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "run" / "nccl-trace-rank")
     assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == "/elsewhere/trace-"
-    assert (os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"], os.environ["TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"]) == ("1", "1000")
+    assert (os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"], os.environ["TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"]) == (
+        "1",
+        "1000",
+    )
     record = tmp_path / "run" / "nccl-trace-rank3"
     assert watchdog.flight_record(tmp_path / "run", 3, dump=True) == ""  # no NCCL group here: nothing to dump
     record.write_bytes(b"x")

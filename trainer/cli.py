@@ -110,8 +110,13 @@ def train(config_file, overrides):
 
 @main.command("eval")
 @click.argument("checkpoint_path", metavar="CHECKPOINT")
-@click.option("--report", "report_dir", metavar="DIR", help="Also write a report there: per-class figures (CSV), the confusion matrix "
-              "(PNG), the most confused pairs and the worst-predicted images.")
+@click.option(
+    "--report",
+    "report_dir",
+    metavar="DIR",
+    help="Also write a report there: per-class figures (CSV), the confusion matrix "
+    "(PNG), the most confused pairs and the worst-predicted images.",
+)
 @config_options
 def eval_cmd(checkpoint_path, report_dir, config_file, overrides):
     """Test accuracy of a saved checkpoint (a step-N folder, or a run folder: its newest complete
@@ -130,7 +135,9 @@ def eval_cmd(checkpoint_path, report_dir, config_file, overrides):
 @click.argument("source")
 @click.argument("images", nargs=-1, required=True)
 @click.option("--top-k", default=5, show_default=True, help="Classes shown per image.")
-@click.option("--out", metavar="FILE", help="Also write the predictions: JSON lines (.jsonl) or CSV (.csv), by the suffix.")
+@click.option(
+    "--out", metavar="FILE", help="Also write the predictions: JSON lines (.jsonl) or CSV (.csv), by the suffix."
+)
 @click.option("--batch-size", default=256, show_default=True, help="Images per batch.")
 @click.option("--quiet", "-q", is_flag=True, help="No table; the summary line only (with --out).")
 @usage_errors
@@ -141,14 +148,22 @@ def predict(source, images, top_k, out, batch_size, quiet):
     from trainer.worker.predict import run
 
     done, skipped, model = run(source, list(images), top_k, out, batch_size, quiet)
-    click.echo(f"{done} image(s) predicted by {model.source} ({model.name}, {len(model.classes)} classes)"
-               + (f", {skipped} skipped (unreadable)" if skipped else "") + (f"; written to {out}" if out else ""), err=True)
+    click.echo(
+        f"{done} image(s) predicted by {model.source} ({model.name}, {len(model.classes)} classes)"
+        + (f", {skipped} skipped (unreadable)" if skipped else "")
+        + (f"; written to {out}" if out else ""),
+        err=True,
+    )
 
 
 @main.command()
 @click.argument("source")
-@click.option("--format", "fmt", type=click.Choice(["onnx", "pt2", "safetensors"]), required=True, help="What to write.")
-@click.option("--out", metavar="FILE", help="The file to write (default: SOURCE's name with the format's suffix, here).")
+@click.option(
+    "--format", "fmt", type=click.Choice(["onnx", "pt2", "safetensors"]), required=True, help="What to write."
+)
+@click.option(
+    "--out", metavar="FILE", help="The file to write (default: SOURCE's name with the format's suffix, here)."
+)
 @usage_errors
 def export(source, fmt, out):
     """Write SOURCE (a step-N folder or a run folder) as one file to serve without this project:
@@ -172,8 +187,12 @@ def export(source, fmt, out):
 
         with tempfile.NamedTemporaryFile("w", prefix=f"trainer-export-{fmt}-", suffix=".txt", delete=False) as fh:
             traceback.print_exc(file=fh)
-        click.echo(f"error: the {fmt} export of {source} failed ({e.__class__.__name__}: {one_line(e, 160)}); the traceback is in {fh.name}; "
-                   f"another --format may take this model", err=True)
+        click.echo(
+            f"error: the {fmt} export of {source} failed ({e.__class__.__name__}: {one_line(e, 160)}); the traceback "
+            f"is in {fh.name}; "
+            f"another --format may take this model",
+            err=True,
+        )
         sys.exit(EXIT_CRASH)
 
 
@@ -186,7 +205,12 @@ def config(show_keys, config_file, overrides):
 
 
 @main.command()
-@click.option("--nnodes", default="1", show_default=True, help="Nodes the job runs on, N or MIN:MAX (elastic): every size must split the batch.")
+@click.option(
+    "--nnodes",
+    default="1",
+    show_default=True,
+    help="Nodes the job runs on, N or MIN:MAX (elastic): every size must split the batch.",
+)
 @click.option("--nproc-per-node", default=1, show_default=True, help="Processes per node.")
 @config_options
 def check(nnodes, nproc_per_node, config_file, overrides):
@@ -200,8 +224,15 @@ def check(nnodes, nproc_per_node, config_file, overrides):
 
 
 @main.command()
-@click.option("--shards", "shards_out", metavar="OUT", help="Write the image folder (data.dir) as shards in OUT, to stream from.")
-@click.option("--max-side", default=512, show_default=True, help="With --shards: scale larger images down to this shorter side (0: keep).")
+@click.option(
+    "--shards", "shards_out", metavar="OUT", help="Write the image folder (data.dir) as shards in OUT, to stream from."
+)
+@click.option(
+    "--max-side",
+    default=512,
+    show_default=True,
+    help="With --shards: scale larger images down to this shorter side (0: keep).",
+)
 @config_options
 def data(shards_out, max_side, config_file, overrides):
     """Download or decode the data set into its uint8 cache, then exit (e.g. an init container); or,
@@ -214,12 +245,18 @@ def data(shards_out, max_side, config_file, overrides):
 
     if shards_out:
         if cfg.data.name != "imagefolder":
-            raise ConfigError(f"--shards reads an image folder; add data.name=imagefolder data.dir=IMAGES (data.name is {cfg.data.name})")
+            raise ConfigError(
+                f"--shards reads an image folder; add data.name=imagefolder data.dir=IMAGES (data.name is "
+                f"{cfg.data.name})"
+            )
         from trainer.worker.data import shards
 
         index = shards.write(Path(cfg.data.dir), Path(shards_out), max_side)
-        click.echo(f"{index['train']['images']} train and {index['test']['images']} test images, {len(index['train']['classes'])} classes "
-                   f"in {shards_out}; train with: data.name=shards data.dir={shards_out}")
+        click.echo(
+            f"{index['train']['images']} train and {index['test']['images']} test images, "
+            f"{len(index['train']['classes'])} classes "
+            f"in {shards_out}; train with: data.name=shards data.dir={shards_out}"
+        )
         return
     plan = datasets.plan(cfg, None, 1)
     cfg.data.image_size = plan.image_size  # resolved: the cache holds the size that training reads
@@ -237,7 +274,10 @@ def models():
     from trainer.config import CIFAR_MODELS, torchvision_names
 
     click.echo("this project's (32 px; airnet and resnet18 any size): " + ", ".join(CIFAR_MODELS))
-    click.echo("torchvision's (any data.image_size they take; torchvision.resnet18 for its ResNet-18), each with its model.weights names:")
+    click.echo(
+        "torchvision's (any data.image_size they take; torchvision.resnet18 for its ResNet-18), each with its "
+        "model.weights names:"
+    )
     import torchvision.models as tvm
 
     for name in torchvision_names():
@@ -245,10 +285,21 @@ def models():
 
 
 @main.command(context_settings={"ignore_unknown_options": True})
-@click.option("--nproc-per-node", default="auto", envvar="NPROC_PER_NODE", show_envvar=True,
-              help="Processes on this node (auto: one per visible GPU, else 2).")
-@click.option("--max-restarts", default=3, show_default=True, envvar="MAX_RESTARTS", show_envvar=True,
-              help="torchrun restarts of the whole group after a failure.")
+@click.option(
+    "--nproc-per-node",
+    default="auto",
+    envvar="NPROC_PER_NODE",
+    show_envvar=True,
+    help="Processes on this node (auto: one per visible GPU, else 2).",
+)
+@click.option(
+    "--max-restarts",
+    default=3,
+    show_default=True,
+    envvar="MAX_RESTARTS",
+    show_envvar=True,
+    help="torchrun restarts of the whole group after a failure.",
+)
 @config_options
 def launch(nproc_per_node, max_restarts, config_file, overrides):
     """Check the config against this node and decode the data set into its cache if it is not
@@ -293,7 +344,10 @@ def say_the_pick(cfg, config_file: str, overrides: list[str], nproc: int, why: s
         click.echo(why, err=True)
         return cfg
     fitted, said = fit_to_images(cfg, overrides, nproc)
-    click.echo(f"{why.split(':')[0]}: {config_file}, fitted to the images in {cfg.data.dir}: {said}; ARGS= sets any of them", err=True)
+    click.echo(
+        f"{why.split(':')[0]}: {config_file}, fitted to the images in {cfg.data.dir}: {said}; ARGS= sets any of them",
+        err=True,
+    )
     overrides += fitted
     return load_config(config_file, overrides)
 
@@ -314,18 +368,26 @@ def prepare_data(cfg, config_file: str, overrides: list[str], nproc: int, picked
         if not picked:
             raise
         overrides.append("data.name=synthetic")
-        click.echo(f"CIFAR-10 could not be downloaded ({e.reason}): training on the synthetic set instead (generated images: "
-                   "its accuracy says nothing of CIFAR-10). With a copy of CIFAR-10 here: make run-local DATA=/path/to/cifar10", err=True)
+        click.echo(
+            f"CIFAR-10 could not be downloaded ({e.reason}): training on the synthetic set instead (generated images: "
+            "its accuracy says nothing of CIFAR-10). With a copy of CIFAR-10 here: make run-local "
+            "DATA=/path/to/cifar10",
+            err=True,
+        )
         datasets.load(load_config(config_file, overrides))
 
 
 def pick_config(gpus: int) -> tuple[str, str]:
     """The job make run-local runs where no CONFIG is given, and its first line."""
     if gpus:
-        return "configs/default.yaml", (f"{gpus} GPU(s) here: configs/default.yaml, the default recipe (ResNet-18, 30 epochs of CIFAR-10); "
-                                        "CONFIG=FILE runs another")
-    return "configs/cpu.yaml", ("no GPU here: configs/cpu.yaml, a small network for 4 epochs of CIFAR-10 (about a minute on 2 cores; the "
-                                "default recipe is a GPU job); CONFIG=FILE runs another")
+        return "configs/default.yaml", (
+            f"{gpus} GPU(s) here: configs/default.yaml, the default recipe (ResNet-18, 30 epochs of CIFAR-10); "
+            "CONFIG=FILE runs another"
+        )
+    return "configs/cpu.yaml", (
+        "no GPU here: configs/cpu.yaml, a small network for 4 epochs of CIFAR-10 (about a minute on 2 cores; the "
+        "default recipe is a GPU job); CONFIG=FILE runs another"
+    )
 
 
 def fit_to_images(cfg, overrides: list[str], nproc: int) -> tuple[list[str], str]:
@@ -382,8 +444,10 @@ def bench(ctx):
 
     root = Path(__file__).resolve().parents[2]
     if not (root / "bench" / "run.py").is_file():
-        raise ConfigError(f"trainer bench runs the benchmarks of a clone of the repository (bench/), which this install at {root} "
-                          "does not have; clone it and run `pip install -e .` there, then trainer bench again")
+        raise ConfigError(
+            f"trainer bench runs the benchmarks of a clone of the repository (bench/), which this install at {root} "
+            "does not have; clone it and run `pip install -e .` there, then trainer bench again"
+        )
     sys.path.insert(0, str(root))
     from bench import run
 

@@ -269,6 +269,7 @@ class CheckpointConfig:
     def root(self) -> Path:
         """The run folder as a path: what every part of the run takes (not a key of the config)."""
         return Path(self.dir)
+
     every_epochs: int = 1
     """Save after every N epochs (0 = only at the end)."""
     every_steps: int = 0
@@ -292,11 +293,18 @@ class ProfileConfig:
     """Steps of this launch before the profiled window (compilation and warm-up are over by then)."""
 
 
-POSITIVE = ("train.epochs train.batch_size train.log_every train.eval_every optim.lr data.eval_batch_size dist.timeout_s dist.bucket_mb "
-            "checkpoint.keep data.synthetic_train_size data.synthetic_test_size").split()
-NON_NEGATIVE = ("train.max_steps optim.weight_decay optim.momentum optim.warmup_epochs optim.final_lr_fraction optim.warmup_start "
-                "optim.label_smoothing optim.bias_lr_scale optim.backbone_lr_scale model.freeze_epochs optim.lookahead_every data.train_subset data.test_subset data.crop_padding "
-                "data.num_workers data.stream_workers data.image_size data.max_bad_images checkpoint.every_epochs checkpoint.every_steps train.seed profile.steps profile.skip dist.hang_timeout_s").split()
+POSITIVE = (
+    "train.epochs train.batch_size train.log_every train.eval_every optim.lr data.eval_batch_size dist.timeout_s "
+    "dist.bucket_mb "
+    "checkpoint.keep data.synthetic_train_size data.synthetic_test_size"
+).split()
+NON_NEGATIVE = (
+    "train.max_steps optim.weight_decay optim.momentum optim.warmup_epochs optim.final_lr_fraction optim.warmup_start "
+    "optim.label_smoothing optim.bias_lr_scale optim.backbone_lr_scale model.freeze_epochs optim.lookahead_every "
+    "data.train_subset data.test_subset data.crop_padding "
+    "data.num_workers data.stream_workers data.image_size data.max_bad_images checkpoint.every_epochs "
+    "checkpoint.every_steps train.seed profile.steps profile.skip dist.hang_timeout_s"
+).split()
 
 
 @dataclass
@@ -329,7 +337,10 @@ class Config:
         if not self.checkpoint.dir:
             raise ConfigError("checkpoint.dir must not be empty")
         if self.model.freeze_epochs and not self.model.weights:
-            raise ConfigError("model.freeze_epochs needs model.weights (a pretrained start to freeze); set model.weights or model.freeze_epochs=0")
+            raise ConfigError(
+                "model.freeze_epochs needs model.weights (a pretrained start to freeze); set model.weights or "
+                "model.freeze_epochs=0"
+            )
         if problem := model_name_problem(self.model.name):
             raise ConfigError(problem)
         if problem := self.combination_problem():
@@ -341,24 +352,58 @@ class Config:
         fix). validate() asks with the config as given (``trainer check``, ``trainer launch``, every
         worker), check_devices() with this node's GPUs, a worker again with ``strategy`` and ``cuda``
         as this node resolved them (what auto left open)."""
-        t, o = self.train, self.optim
+        t = self.train
         strategy = strategy or t.strategy
         cpu = cuda is False or "cpu" in (strategy, t.device)
         no_bf16 = t.precision == "fp32" or (t.precision == "auto" and cpu)
+        return [*self._strategy_rules(strategy), *self._device_rules(cpu, no_bf16, strategy)]
+
+    def _strategy_rules(self, strategy: str) -> list[tuple[bool, str]]:
+        """What does not work together with the strategy (or at all)."""
+        o = self.optim
         return [
-            (o.nesterov and o.momentum == 0 and o.name == "sgd", "optim.nesterov=true needs optim.momentum > 0; set optim.nesterov=false"),
-            (self.model.compile and strategy == "dp",
-             "model.compile=true does not work with train.strategy=dp; use model.compile=false (or auto) or train.strategy=ddp"),
-            (o.lookahead_every and strategy == "fsdp",
-             "optim.lookahead_every (Lookahead) does not work with train.strategy=fsdp; set optim.lookahead_every=0 or use ddp"),
-            (o.impl == "fused" and strategy == "fsdp", "optim.impl=fused does not run on fsdp's sharded parameters; use optim.impl=foreach (or auto)"),
+            (
+                o.nesterov and o.momentum == 0 and o.name == "sgd",
+                "optim.nesterov=true needs optim.momentum > 0; set optim.nesterov=false",
+            ),
+            (
+                self.model.compile and strategy == "dp",
+                "model.compile=true does not work with train.strategy=dp; use model.compile=false (or auto) or "
+                "train.strategy=ddp",
+            ),
+            (
+                o.lookahead_every and strategy == "fsdp",
+                "optim.lookahead_every (Lookahead) does not work with train.strategy=fsdp; set "
+                "optim.lookahead_every=0 or use ddp",
+            ),
+            (
+                o.impl == "fused" and strategy == "fsdp",
+                "optim.impl=fused does not run on fsdp's sharded parameters; use optim.impl=foreach (or auto)",
+            ),
+        ]
+
+    def _device_rules(self, cpu: bool, no_bf16: bool, strategy: str) -> list[tuple[bool, str]]:
+        """What needs a GPU, or bf16, that this run does not have."""
+        t, o = self.train, self.optim
+        return [
             (o.impl == "fused" and cpu, "optim.impl=fused needs CUDA; use optim.impl=foreach (or auto) on the CPU"),
-            (self.dist.backend == "nccl" and strategy in ("cpu", "single", "dp"),
-             f"dist.backend=nccl needs train.strategy=ddp or fsdp under torchrun, not {strategy}"),
-            (self.dist.backend == "nccl" and cpu, "dist.backend=nccl needs CUDA GPUs and this run is on the CPU; use dist.backend=gloo (or auto)"),
-            (self.data.decode == "gpu" and cpu, "data.decode=gpu needs a CUDA GPU and this run is on the CPU; use data.decode=cpu (or auto)"),
-            (t.param_dtype == "bf16" and no_bf16,
-             "train.param_dtype=bf16 needs bf16 autocast; set train.precision=bf16 (or auto on a GPU), or train.param_dtype=fp32"),
+            (
+                self.dist.backend == "nccl" and strategy in ("cpu", "single", "dp"),
+                f"dist.backend=nccl needs train.strategy=ddp or fsdp under torchrun, not {strategy}",
+            ),
+            (
+                self.dist.backend == "nccl" and cpu,
+                "dist.backend=nccl needs CUDA GPUs and this run is on the CPU; use dist.backend=gloo (or auto)",
+            ),
+            (
+                self.data.decode == "gpu" and cpu,
+                "data.decode=gpu needs a CUDA GPU and this run is on the CPU; use data.decode=cpu (or auto)",
+            ),
+            (
+                t.param_dtype == "bf16" and no_bf16,
+                "train.param_dtype=bf16 needs bf16 autocast; set train.precision=bf16 (or auto on a GPU), or "
+                "train.param_dtype=fp32",
+            ),
             *[(t.param_dtype == "bf16" and bad, message) for bad, message in self._bf16_weights_rules(strategy)],
         ]
 
@@ -372,12 +417,27 @@ class Config:
         return next((message for bad, message in self._bf16_weights_rules(strategy) if bad), None)
 
     def _bf16_weights_rules(self, strategy: str) -> list[tuple[bool, str]]:
-        hint = "fsdp gathers bf16 weights itself (dist.reduce_dtype)" if strategy == "fsdp" else "DataParallel replicates the module every step"
+        hint = (
+            "fsdp gathers bf16 weights itself (dist.reduce_dtype)"
+            if strategy == "fsdp"
+            else "DataParallel replicates the module every step"
+        )
         return [
-            (strategy in ("fsdp", "dp"), f"train.param_dtype=bf16 does not work with train.strategy={strategy} ({hint}); set train.param_dtype=fp32 or use ddp"),
-            (self.optim.name != "sgd", "train.param_dtype=bf16 updates its fp32 master weights with SGD only; set optim.name=sgd or train.param_dtype=fp32"),
-            (bool(self.optim.lookahead_every),
-             "train.param_dtype=bf16 does not work with Lookahead (optim.lookahead_every); set optim.lookahead_every=0 or train.param_dtype=fp32"),
+            (
+                strategy in ("fsdp", "dp"),
+                f"train.param_dtype=bf16 does not work with train.strategy={strategy} ({hint}); set "
+                f"train.param_dtype=fp32 or use ddp",
+            ),
+            (
+                self.optim.name != "sgd",
+                "train.param_dtype=bf16 updates its fp32 master weights with SGD only; set optim.name=sgd or "
+                "train.param_dtype=fp32",
+            ),
+            (
+                bool(self.optim.lookahead_every),
+                "train.param_dtype=bf16 does not work with Lookahead (optim.lookahead_every); set "
+                "optim.lookahead_every=0 or train.param_dtype=fp32",
+            ),
         ]
 
 
@@ -386,18 +446,86 @@ CIFAR_MODELS = ("resnet18", "seednet", "airnet", "tinynet")
 
 
 TORCHVISION_MODELS = (
-    "alexnet", "convnext_base", "convnext_large", "convnext_small", "convnext_tiny", "densenet121", "densenet161",
-    "densenet169", "densenet201", "efficientnet_b0", "efficientnet_b1", "efficientnet_b2", "efficientnet_b3",
-    "efficientnet_b4", "efficientnet_b5", "efficientnet_b6", "efficientnet_b7", "efficientnet_v2_l",
-    "efficientnet_v2_m", "efficientnet_v2_s", "googlenet", "inception_v3", "maxvit_t", "mnasnet0_5", "mnasnet0_75",
-    "mnasnet1_0", "mnasnet1_3", "mobilenet_v2", "mobilenet_v3_large", "mobilenet_v3_small", "regnet_x_16gf",
-    "regnet_x_1_6gf", "regnet_x_32gf", "regnet_x_3_2gf", "regnet_x_400mf", "regnet_x_800mf", "regnet_x_8gf",
-    "regnet_y_128gf", "regnet_y_16gf", "regnet_y_1_6gf", "regnet_y_32gf", "regnet_y_3_2gf", "regnet_y_400mf",
-    "regnet_y_800mf", "regnet_y_8gf", "resnet101", "resnet152", "resnet18", "resnet34", "resnet50",
-    "resnext101_32x8d", "resnext101_64x4d", "resnext50_32x4d", "shufflenet_v2_x0_5", "shufflenet_v2_x1_0",
-    "shufflenet_v2_x1_5", "shufflenet_v2_x2_0", "squeezenet1_0", "squeezenet1_1", "swin_b", "swin_s", "swin_t",
-    "swin_v2_b", "swin_v2_s", "swin_v2_t", "vgg11", "vgg11_bn", "vgg13", "vgg13_bn", "vgg16", "vgg16_bn", "vgg19",
-    "vgg19_bn", "vit_b_16", "vit_b_32", "vit_h_14", "vit_l_16", "vit_l_32", "wide_resnet101_2", "wide_resnet50_2",
+    "alexnet",
+    "convnext_base",
+    "convnext_large",
+    "convnext_small",
+    "convnext_tiny",
+    "densenet121",
+    "densenet161",
+    "densenet169",
+    "densenet201",
+    "efficientnet_b0",
+    "efficientnet_b1",
+    "efficientnet_b2",
+    "efficientnet_b3",
+    "efficientnet_b4",
+    "efficientnet_b5",
+    "efficientnet_b6",
+    "efficientnet_b7",
+    "efficientnet_v2_l",
+    "efficientnet_v2_m",
+    "efficientnet_v2_s",
+    "googlenet",
+    "inception_v3",
+    "maxvit_t",
+    "mnasnet0_5",
+    "mnasnet0_75",
+    "mnasnet1_0",
+    "mnasnet1_3",
+    "mobilenet_v2",
+    "mobilenet_v3_large",
+    "mobilenet_v3_small",
+    "regnet_x_16gf",
+    "regnet_x_1_6gf",
+    "regnet_x_32gf",
+    "regnet_x_3_2gf",
+    "regnet_x_400mf",
+    "regnet_x_800mf",
+    "regnet_x_8gf",
+    "regnet_y_128gf",
+    "regnet_y_16gf",
+    "regnet_y_1_6gf",
+    "regnet_y_32gf",
+    "regnet_y_3_2gf",
+    "regnet_y_400mf",
+    "regnet_y_800mf",
+    "regnet_y_8gf",
+    "resnet101",
+    "resnet152",
+    "resnet18",
+    "resnet34",
+    "resnet50",
+    "resnext101_32x8d",
+    "resnext101_64x4d",
+    "resnext50_32x4d",
+    "shufflenet_v2_x0_5",
+    "shufflenet_v2_x1_0",
+    "shufflenet_v2_x1_5",
+    "shufflenet_v2_x2_0",
+    "squeezenet1_0",
+    "squeezenet1_1",
+    "swin_b",
+    "swin_s",
+    "swin_t",
+    "swin_v2_b",
+    "swin_v2_s",
+    "swin_v2_t",
+    "vgg11",
+    "vgg11_bn",
+    "vgg13",
+    "vgg13_bn",
+    "vgg16",
+    "vgg16_bn",
+    "vgg19",
+    "vgg19_bn",
+    "vit_b_16",
+    "vit_b_32",
+    "vit_h_14",
+    "vit_l_16",
+    "vit_l_32",
+    "wide_resnet101_2",
+    "wide_resnet50_2",
 )
 """torchvision's classification models (0.29; tests/test_config.py holds it equal to the installed
 torchvision's list): `trainer config --explain` and the config check need no torch import. A name
@@ -422,7 +550,10 @@ def model_name_problem(name: str) -> str | None:
     choices = [*CIFAR_MODELS, *torchvision_names()]
     close = difflib.get_close_matches(name, choices, n=1)
     hint = f"did you mean {close[0]}? " if close else ""
-    return f"model.name={name} is no model here; {hint}`trainer models` lists them (this project's CIFAR models and torchvision's)"
+    return (
+        f"model.name={name} is no model here; {hint}`trainer models` lists them "
+        "(this project's CIFAR models and torchvision's)"
+    )
 
 
 def check_devices(cfg: Config, has_cuda: bool) -> None:
@@ -445,7 +576,9 @@ def check_batch(cfg: Config, world_size: int) -> None:
     if b < w:
         raise ConfigError(f"train.batch_size={b} is smaller than the world size {w}; use at least {w}")
     if b % w:
-        raise ConfigError(f"train.batch_size={b} is not a multiple of the world size {w}; use {b - b % w} or {b + w - b % w}")
+        raise ConfigError(
+            f"train.batch_size={b} is not a multiple of the world size {w}; use {b - b % w} or {b + w - b % w}"
+        )
 
 
 def node_range(nnodes: str) -> tuple[int, int]:
@@ -470,6 +603,9 @@ def check_world_range(cfg: Config, nnodes: str, nproc_per_node: int) -> None:
     if bad:
         lcm = math.lcm(*sizes)
         fit = max(lcm, round(b / lcm) * lcm)
-        raise ConfigError(f"train.batch_size={b} does not split over {bad[0] // nproc_per_node} node(s) x {nproc_per_node} process(es) "
-                          f"(--nnodes {nnodes}): every size the elastic job may take ({', '.join(map(str, sizes))} processes) must "
-                          f"divide it; use train.batch_size={fit} or a node range whose sizes all divide {b}")
+        raise ConfigError(
+            f"train.batch_size={b} does not split over {bad[0] // nproc_per_node} node(s) x {nproc_per_node} "
+            f"process(es) "
+            f"(--nnodes {nnodes}): every size the elastic job may take ({', '.join(map(str, sizes))} processes) must "
+            f"divide it; use train.batch_size={fit} or a node range whose sizes all divide {b}"
+        )

@@ -126,7 +126,10 @@ def _apply(cfg: Config, key: str, value: Any) -> None:
     sections = _sections(cfg)
     if section_name not in sections or not name:
         if section_name in sections:
-            raise ConfigError(f"config key {key!r} names a section; set one of its keys, e.g. {key}.{next(iter(_fields(sections[section_name])))}=...")
+            raise ConfigError(
+                f"config key {key!r} names a section; set one of its keys, e.g. "
+                f"{key}.{next(iter(_fields(sections[section_name])))}=..."
+            )
         raise _unknown(key, valid_keys())
     section = sections[section_name]
     fields = _fields(section)
@@ -146,13 +149,17 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), base: Config | None = None) -> Config:
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), base: Config | None = None
+) -> Config:
     """Defaults (or ``base``), then the YAML file at ``path``, then ``key=value`` overrides; validated."""
     cfg = base if base is not None else Config()
     if path is not None:
         p = Path(path)
         if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist; pass --config with a path such as configs/default.yaml")
+            raise ConfigError(
+                f"config file {str(p)!r} does not exist; pass --config with a path such as configs/default.yaml"
+            )
         try:
             tree = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as e:
@@ -236,4 +243,3 @@ def command_config(args: list[str]) -> Config | None:
         return load_config(ctx.params["config_file"], ctx.params["overrides"])
     except (click.ClickException, ConfigError):
         return None
-

@@ -80,7 +80,8 @@ def record_exit(code: int, message: str = "") -> None:
         return
     # one group of workers: torchrun's restart count, and the store port of its rendezvous round (a
     # re-form of an elastic group keeps the count; each round's store is new)
-    name = f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}.{os.environ.get('MASTER_PORT', '0')}-{os.environ.get('RANK', '0')}"
+    get = os.environ.get
+    name = f"{get('TORCHELASTIC_RESTART_COUNT', '0')}.{get('MASTER_PORT', '0')}-{get('RANK', '0')}"
     try:
         with replacing(Path(folder) / name) as tmp:
             tmp.write_text(f"{code}\n{message}")
@@ -119,8 +120,11 @@ def stopped_while_starting(signal_name: str) -> int:
     recorded for the supervisor; returns EXIT_PREEMPTED."""
     import socket
 
-    line = (f"rank {os.environ.get('RANK', '0')} ({socket.gethostname()}) stopped by {signal_name} while starting, before its first "
-            f"step: nothing to save; exit {EXIT_PREEMPTED}, the next start resumes from the newest checkpoint")
+    line = (
+        f"rank {os.environ.get('RANK', '0')} ({socket.gethostname()}) stopped by {signal_name} while starting, before "
+        f"its first "
+        f"step: nothing to save; exit {EXIT_PREEMPTED}, the next start resumes from the newest checkpoint"
+    )
     if os.environ.get("LOCAL_RANK", "0") == "0":
         say(line)
     record_exit(EXIT_PREEMPTED, line)

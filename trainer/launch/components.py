@@ -4,12 +4,16 @@ macros), as ``torchx.components.dist.ddp`` builds its own, with our command in i
 
 From the repository root (scheduler defaults live in .torchxconfig)::
 
-    torchx run --workspace "" -s kubernetes trainer/launch/components.py:train_ddp --image ghcr.io/you/cluster-trainer:0.1.0 \\
+    torchx run --workspace "" -s kubernetes trainer/launch/components.py:train_ddp --image
+    ghcr.io/you/cluster-trainer:0.1.0 \\
         --j 2x8 --checkpoint_mount cifar-checkpoints --data_mount cifar-data -- train.epochs=30
-    torchx run --workspace "" -s kubernetes trainer/launch/components.py:train_single --image ghcr.io/you/cluster-trainer:0.1.0
-    SRUN_CPUS_PER_TASK=8 torchx run --workspace "" -s slurm -cfg time=04:00:00 trainer/launch/components.py:train_ddp --j 2x8 \\
+    torchx run --workspace "" -s kubernetes trainer/launch/components.py:train_single --image
+    ghcr.io/you/cluster-trainer:0.1.0
+    SRUN_CPUS_PER_TASK=8 torchx run --workspace "" -s slurm -cfg time=04:00:00 trainer/launch/components.py:train_ddp
+    --j 2x8 \\
         --cpu 8 --max_retries 0 --checkpoint_mount "" --checkpoint_dir /shared/ckpt/cifar --data_dir /shared/data
-    torchx run --workspace "" -s local_cwd trainer/launch/components.py:train_ddp --j 1x2 --gpu 0 --config configs/smoke.yaml \\
+    torchx run --workspace "" -s local_cwd trainer/launch/components.py:train_ddp --j 1x2 --gpu 0 --config
+    configs/smoke.yaml \\
         --checkpoint_mount "" --checkpoint_dir ./checkpoints/torchx --data_dir ./data
 
 Every component runs the same command as the other launchers: ``trainer torchrun ... -m trainer train``
@@ -67,14 +71,38 @@ def _pythons() -> List[str]:
     return [*found, *[venv] * (venv not in found), "python3", "python"]
 
 
-NO_PYTHON = ("error: no Python here has torch and the trainer (tried: {tried}): run make venv in the repository (its .venv), "
-             "or pip install -e . into a Python that has torch, or set TRAINER_PYTHON=/path/to/python")
+NO_PYTHON = (
+    "error: no Python here has torch and the trainer (tried: {tried}): run make venv in the repository (its .venv), "
+    "or pip install -e . into a Python that has torch, or set TRAINER_PYTHON=/path/to/python"
+)
 HAS_TRAINER = "import importlib.util as u, sys; sys.exit(not (u.find_spec('torch') and u.find_spec('trainer')))"
 
 
+def _command(endpoint: str, torchrun: List[str]) -> str:
+    """The replica's shell command: ``trainer torchrun`` under the first interpreter with torch and
+    the trainer (a spec lookup: no import, no cost), else one line and exit 2."""
+    pythons = " ".join(shlex.quote(p) for p in _pythons())
+    return (
+        f"for py in ${{TRAINER_PYTHON:-}} {pythons}; do "
+        f'command -v "$py" >/dev/null && "$py" -c "{HAS_TRAINER}" 2>/dev/null && '
+        f'exec "$py" -m trainer torchrun --rdzv-endpoint "{endpoint}" {" ".join(shlex.quote(a) for a in torchrun)}; '
+        f'done; echo "{NO_PYTHON.format(tried="${TRAINER_PYTHON:-} " + pythons)}" >&2; exit 2'
+    )
+
+
 def _role(
-    train_args: List[str], image: str, j: str, gpu: int, cpu: int, memMB: int, h: Optional[str], mounts: List[str],
-    max_restarts: int, max_retries: int, env: Dict[str, str], rdzv_endpoint: str = "",
+    train_args: List[str],
+    image: str,
+    j: str,
+    gpu: int,
+    cpu: int,
+    memMB: int,
+    h: Optional[str],
+    mounts: List[str],
+    max_restarts: int,
+    max_retries: int,
+    env: Dict[str, str],
+    rdzv_endpoint: str = "",
 ) -> specs.Role:
     """One role, one replica per node, each running ``trainer torchrun`` with c10d rendezvous on
     the first replica (torchx's rank-0 host macro), or etcd-v2 at ``rdzv_endpoint``, the app id as
@@ -87,19 +115,31 @@ def _role(
     endpoint = "localhost:0" if max_nnodes == 1 else f"$${{{macros.rank0_env}:=localhost}}:{port}"
     backend = "etcd-v2" if rdzv_endpoint else "c10d"
     endpoint = rdzv_endpoint or endpoint
-    torchrun = ["--rdzv-backend", backend, "--rdzv-id", macros.app_id, "--nnodes", nnodes, "--nproc-per-node", str(nproc_per_node),
-                "--max-restarts", str(max_restarts), "-m", "trainer", "train", *train_args]
-    pythons = " ".join(shlex.quote(p) for p in _pythons())
-    # the first interpreter with torch and the trainer (a spec lookup: no import, no cost), else one line and exit 2
-    command = (f'for py in ${{TRAINER_PYTHON:-}} {pythons}; do '
-               f'command -v "$py" >/dev/null && "$py" -c "{HAS_TRAINER}" 2>/dev/null && '
-               f'exec "$py" -m trainer torchrun --rdzv-endpoint "{endpoint}" {" ".join(shlex.quote(a) for a in torchrun)}; '
-               f'done; echo "{NO_PYTHON.format(tried="${TRAINER_PYTHON:-} " + pythons)}" >&2; exit 2')
+    group = ["--rdzv-backend", backend, "--rdzv-id", macros.app_id, "--nnodes", nnodes]
+    torchrun = [*group, "--nproc-per-node", str(nproc_per_node), "--max-restarts", str(max_restarts)]
+    torchrun += ["-m", "trainer", "train", *train_args]
     return specs.Role(
-        name="trainer", image=image, entrypoint="bash", args=["-c", command], min_replicas=min_nnodes, num_replicas=max_nnodes,
-        resource=specs.resource(cpu=cpu, gpu=gpu, memMB=memMB, h=h), env=env, port_map={"c10d": RDZV_PORT},
-        max_retries=max_retries, mounts=specs.parse_mounts(mounts) if mounts else [],
+        name="trainer",
+        image=image,
+        entrypoint="bash",
+        args=["-c", _command(endpoint, torchrun)],
+        min_replicas=min_nnodes,
+        num_replicas=max_nnodes,
+        resource=specs.resource(cpu=cpu, gpu=gpu, memMB=memMB, h=h),
+        env=env,
+        port_map={"c10d": RDZV_PORT},
+        max_retries=max_retries,
+        mounts=specs.parse_mounts(mounts) if mounts else [],
     )
+
+
+def _sized(j: str, gpu: int, memMB: int) -> tuple[int, int]:
+    """GPUs and memory per node where the caller left them at -1: one GPU per process, as the DDP
+    ranks need (a CPU job must say gpu=0), and 8 GiB per GPU (an 8-GPU node is not given the memory of one)."""
+    nproc = j.rsplit("x", 1)[-1]
+    procs = int(nproc) if nproc.isdigit() else 1
+    gpu = procs if gpu < 0 else gpu
+    return gpu, 8192 * max(gpu, procs) if memMB < 0 else memMB
 
 
 def train_ddp(
@@ -159,19 +199,23 @@ def train_ddp(
             rendezvous, which outlives any node, the rank-0 host included (the image needs
             python-etcd: the etcd extra). Empty: c10d on the rank-0 host
     """
-    nproc = j.rsplit("x", 1)[-1]
-    if gpu < 0:  # one GPU per process, as the DDP ranks need; a CPU job must say gpu=0
-        gpu = int(nproc) if nproc.isdigit() else 1
-    if memMB < 0:  # 8 GiB per GPU: an 8-GPU node is not given the memory of one
-        memMB = 8192 * max(gpu, int(nproc) if nproc.isdigit() else 1)
+    gpu, memMB = _sized(j, gpu, memMB)
     checkpoint_root = checkpoint_dir.rstrip("/").rsplit("/", 1)[0] or "/"
     mounts = _mounts(checkpoint_mount, checkpoint_root, data_mount, data_dir, mount_type)
-    expected = [f"{checkpoint_root}={checkpoint_mount}"] * bool(checkpoint_mount) + [f"{data_dir}={data_mount}"] * bool(data_mount)
+    expected = [
+        f"{root}={volume}" for root, volume in ((checkpoint_root, checkpoint_mount), (data_dir, data_mount)) if volume
+    ]
     train_args = ["--config", config, f"checkpoint.dir={checkpoint_dir}", f"data.dir={data_dir}", *script_args]
     # on Slurm the supervisor does what TorchX's batch script does not: stop before the time limit,
     # requeue after the save, never after bad input (trainer/launch/slurm.py); elsewhere the variable is inert
-    role_env = {"PYTHONUNBUFFERED": "1", "TRAINER_NO_GPU_FIX": "pass --gpu 0 to the component to train on the CPU", "TRAINER_SLURM_SUPERVISE": "1",
-                MOUNTS_ENV: ";".join(expected), "TORCH_HOME": f"{checkpoint_root.rstrip('/')}/.torch", **(env or {})}
+    role_env = {
+        "PYTHONUNBUFFERED": "1",
+        "TRAINER_NO_GPU_FIX": "pass --gpu 0 to the component to train on the CPU",
+        "TRAINER_SLURM_SUPERVISE": "1",
+        MOUNTS_ENV: ";".join(expected),
+        "TORCH_HOME": f"{checkpoint_root.rstrip('/')}/.torch",
+        **(env or {}),
+    }
     role = _role(train_args, image, j, gpu, cpu, memMB, h, mounts, max_restarts, max_retries, role_env, rdzv_endpoint)
     return specs.AppDef(name="cifar", roles=[role])
 
@@ -208,7 +252,18 @@ def train_single(
     """
     strategy = "train.strategy=single" if gpu else "train.strategy=cpu"
     return train_ddp(
-        strategy, *script_args, image=image, j="1x1", gpu=gpu, cpu=cpu, memMB=memMB, config=config,
-        checkpoint_dir=checkpoint_dir, checkpoint_mount=checkpoint_mount, data_dir=data_dir, data_mount=data_mount,
-        mount_type=mount_type, max_retries=max_retries,
+        strategy,
+        *script_args,
+        image=image,
+        j="1x1",
+        gpu=gpu,
+        cpu=cpu,
+        memMB=memMB,
+        config=config,
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_mount=checkpoint_mount,
+        data_dir=data_dir,
+        data_mount=data_mount,
+        mount_type=mount_type,
+        max_retries=max_retries,
     )

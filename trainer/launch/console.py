@@ -19,9 +19,14 @@ import threading
 from pathlib import Path
 from typing import BinaryIO
 
-NATIVE = re.compile(rb"^(\[rank\d+\]:)?\[?[WEIF]\d{4} \d\d:\d\d:\d\d\.\d+ +\S|^\[c10d\] |^Exception raised from |^frame #\d+: |^terminate called ")
+NATIVE = re.compile(
+    rb"^(\[rank\d+\]:)?\[?[WEIF]\d{4} \d\d:\d\d:\d\d\.\d+ +\S|^\[c10d\] "
+    rb"|^Exception raised from |^frame #\d+: |^terminate called "
+)
 """A line that opens native output: a glog-style or torch-logging line, a c10d report, a C++ backtrace."""
-CONTINUED = re.compile(rb"^(frame #\d+: |Exception raised from |\(no backtrace available\)|<omitting python frames>|\s*$)")
+CONTINUED = re.compile(
+    rb"^(frame #\d+: |Exception raised from |\(no backtrace available\)|<omitting python frames>|\s*$)"
+)
 """Lines that go on a native block: more backtrace, or blank."""
 
 

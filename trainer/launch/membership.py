@@ -26,7 +26,14 @@ STATE_KEY = "torch.rendezvous.{run_id}"
 """Where torch's c10d rendezvous backend keeps its state in the store (C10dRendezvousBackend)."""
 ETCD_KEY = "/torch/elastic/rendezvous/{run_id}"
 """Where torch's etcd-v2 rendezvous backend keeps it in etcd (EtcdRendezvousBackend)."""
-STATE_FIELDS = {"round": int, "complete": bool, "participants": dict, "wait_list": set, "redundancy_list": set, "last_heartbeats": dict}
+STATE_FIELDS = {
+    "round": int,
+    "complete": bool,
+    "participants": dict,
+    "wait_list": set,
+    "redundancy_list": set,
+    "last_heartbeats": dict,
+}
 """What is read of torch's private _RendezvousState, as torch 2.6-2.14 have it."""
 
 
@@ -86,10 +93,22 @@ class View:
             return None
         now = datetime.now(timezone.utc)
         beats, known = state.last_heartbeats, _round_nodes(state)
-        fresh = [n for n in known if n not in beats or ((now - _utc(beats[n])).total_seconds() < STALE_HEARTBEAT_S
-                                                        and (since is None or _utc(beats[n]) >= since))]
-        return Round(id=state.round, complete=state.complete, members=sorted({_host(n) for n in state.participants}),
-                     nodes={_host(n) for n in known}, present=sorted({_host(n) for n in fresh}))
+        fresh = [
+            n
+            for n in known
+            if n not in beats
+            or (
+                (now - _utc(beats[n])).total_seconds() < STALE_HEARTBEAT_S
+                and (since is None or _utc(beats[n]) >= since)
+            )
+        ]
+        return Round(
+            id=state.round,
+            complete=state.complete,
+            members=sorted({_host(n) for n in state.participants}),
+            nodes={_host(n) for n in known},
+            present=sorted({_host(n) for n in fresh}),
+        )
 
 
 class C10dView(View):
@@ -106,7 +125,9 @@ class C10dView(View):
                 import torch.distributed as dist
 
                 socket.create_connection((self.host, self.port), timeout=3).close()
-                self._store = dist.TCPStore(self.host, self.port, is_master=False, timeout=timedelta(seconds=5), wait_for_workers=False)
+                self._store = dist.TCPStore(
+                    self.host, self.port, is_master=False, timeout=timedelta(seconds=5), wait_for_workers=False
+                )
             return self._store.get(self.key) if self._store.check([self.key]) else None
         except (OSError, RuntimeError):  # connected again at the next read
             self._store = None
@@ -120,9 +141,20 @@ class EtcdView(View):
     def __init__(self, host: str, port: int, run_id: str, conf: dict[str, str]):
         import etcd
 
-        cert = (conf["ssl_cert"], conf["ssl_cert_key"]) if conf.get("ssl_cert") and conf.get("ssl_cert_key") else conf.get("ssl_cert")
-        self._client = etcd.Client(host, port, protocol=conf.get("protocol", "http"), cert=cert, ca_cert=conf.get("ca_cert"),
-                                   read_timeout=3, allow_reconnect=True)
+        cert = (
+            (conf["ssl_cert"], conf["ssl_cert_key"])
+            if conf.get("ssl_cert") and conf.get("ssl_cert_key")
+            else conf.get("ssl_cert")
+        )
+        self._client = etcd.Client(
+            host,
+            port,
+            protocol=conf.get("protocol", "http"),
+            cert=cert,
+            ca_cert=conf.get("ca_cert"),
+            read_timeout=3,
+            allow_reconnect=True,
+        )
         self.key = ETCD_KEY.format(run_id=run_id)
 
     def raw(self) -> str | None:

@@ -13,7 +13,8 @@ While workers run, it reads the state every KEEPALIVE_CHECK_S: a node of the gro
 rendezvous keep-alive has stopped (3 missed: 15 s, 9 s for an elastic job) is dropped from the
 round's participants by the others' next sync, even when nothing failed (a cable cut, then power
 off: the workers would wait in a collective until the hang watchdog or the collective timeout).
-This node's workers are then stopped at once, so that torchrun re-forms the group from the newest checkpoint: without that node
+This node's workers are then stopped at once, so that torchrun re-forms the group from the newest checkpoint: without
+that node
 when the job is elastic, else waiting for it.
 """
 
@@ -40,8 +41,16 @@ KEEPALIVE_CHECK_S = 5.0
 
 
 class Reporter:
-    def __init__(self, endpoint: str, run_id: str, nnodes: str, join_timeout_s: float, say=None, backend: str = "c10d",
-                 conf: dict[str, str] | None = None):
+    def __init__(
+        self,
+        endpoint: str,
+        run_id: str,
+        nnodes: str,
+        join_timeout_s: float,
+        say=None,
+        backend: str = "c10d",
+        conf: dict[str, str] | None = None,
+    ):
         self.endpoint, self.run_id, self.join_timeout_s = endpoint, run_id, join_timeout_s
         self.view = membership.view(backend, endpoint, run_id, conf or {})
         self.min_nodes, self.max_nodes = node_range(nnodes)
@@ -65,7 +74,14 @@ class Reporter:
         if backend not in ("c10d", "etcd-v2") or nnodes.split(":")[-1] in ("", "1"):
             return None
         conf = rdzv_conf(argv)
-        return cls(endpoint(argv), option(argv, "rdzv-id", "none"), nnodes, float(conf.get("join_timeout", 600)), backend=backend, conf=conf)
+        return cls(
+            endpoint(argv),
+            option(argv, "rdzv-id", "none"),
+            nnodes,
+            float(conf.get("join_timeout", 600)),
+            backend=backend,
+            conf=conf,
+        )
 
     def start(self) -> Reporter:
         self._thread = threading.Thread(target=self._run, name="rendezvous-reporter", daemon=True)
@@ -92,8 +108,11 @@ class Reporter:
 
             self._unreadable = True
             self._stop.set()
-            self.say(f"torchrun: torch {torch.__version__} keeps its rendezvous state in another form than this trainer reads "
-                     f"({e}): the waiting, re-form and dropped-node lines are off; training is not affected")
+            self.say(
+                f"torchrun: torch {torch.__version__} keeps its rendezvous state in another form than this trainer "
+                f"reads "
+                f"({e}): the waiting, re-form and dropped-node lines are off; training is not affected"
+            )
             return None
 
     def _run(self) -> None:
@@ -119,19 +138,28 @@ class Reporter:
                     if line := self.waiting_line(waited):
                         self.say(line)
                         said = now
-            except (OSError, RuntimeError):  # a rendezvous that does not answer (torch's store errors are RuntimeErrors):
+            except (
+                OSError,
+                RuntimeError,
+            ):  # a rendezvous that does not answer (torch's store errors are RuntimeErrors):
                 pass  # the supervisor's own watch acts on that; a bug here still shows its traceback
 
     def waiting_line(self, waited_s: float) -> str:
         r = self.read(since=datetime.now(timezone.utc) - timedelta(seconds=waited_s)) or Round()
         self.left = [m for m in self.members if m not in r.present]
         more = max(self.min_nodes - len(r.present), 0)
-        need = f"{more} more node(s) ({self.min_nodes} needed)" if more else f"the round to close ({self.min_nodes}-{self.max_nodes} nodes)"
+        need = (
+            f"{more} more node(s) ({self.min_nodes} needed)"
+            if more
+            else f"the round to close ({self.min_nodes}-{self.max_nodes} nodes)"
+        )
         here = ", ".join(r.present) or "none"
         gone = f"; {', '.join(self.left)} of the last group not back" if self.left else ""
         left_s = max(self.join_timeout_s - waited_s, 0)
-        return (f"torchrun: waiting {waited_s:.0f} s at the rendezvous {self.endpoint} (id {self.run_id}) for {need}; "
-                f"present: {here}{gone}; gives up in {left_s:.0f} s (join_timeout)")
+        return (
+            f"torchrun: waiting {waited_s:.0f} s at the rendezvous {self.endpoint} (id {self.run_id}) for {need}; "
+            f"present: {here}{gone}; gives up in {left_s:.0f} s (join_timeout)"
+        )
 
     def _watch_members(self) -> None:
         """Stop this node's workers when a node of their group has dropped out of the rendezvous:
@@ -156,15 +184,20 @@ class Reporter:
         if me in lost:  # the others' keep-alives got through, this node's did not: it is the one cut off
             self._cut_off(me, "it was dropped from the rendezvous")
         else:
-            self.say(f"torchrun: {', '.join(lost)} dropped out of the rendezvous (its keep-alive stopped: lost or cut off) while the "
-                     "group trained: stopping this node's workers so that the group re-forms from the newest checkpoint")
+            self.say(
+                f"torchrun: {', '.join(lost)} dropped out of the rendezvous (its keep-alive stopped: lost or cut off) "
+                f"while the "
+                "group trained: stopping this node's workers so that the group re-forms from the newest checkpoint"
+            )
             kill_children(os.getpid())
         self.left = lost
 
     def _cut_off(self, me: str, how: str) -> None:
         """This node was the one cut off: say so (not that the others left) and stop its workers."""
-        self.say(f"torchrun: this node ({me}) was cut off: {how} while its rendezvous keep-alive could not get through; "
-                 "stopping its workers: it joins the group at the next round")
+        self.say(
+            f"torchrun: this node ({me}) was cut off: {how} while its rendezvous keep-alive could not get through; "
+            "stopping its workers: it joins the group at the next round"
+        )
         kill_children(os.getpid())
 
     def _joined(self, workers: frozenset[int]) -> None:
@@ -175,9 +208,14 @@ class Reporter:
         nodes = r.members
         if self.members and nodes:
             gone, new = [m for m in self.members if m not in nodes], [n for n in nodes if n not in self.members]
-            change = "; ".join(filter(None, [f"{', '.join(gone)} left" if gone else "", f"{', '.join(new)} joined" if new else ""]))
-            self.say(f"torchrun: the group re-formed with {len(nodes)} node(s) ({', '.join(nodes)}{'; ' + change if change else ''}): "
-                     f"training goes on from the newest checkpoint{' at the new world size' if change else ''}")
+            change = "; ".join(
+                filter(None, [f"{', '.join(gone)} left" if gone else "", f"{', '.join(new)} joined" if new else ""])
+            )
+            self.say(
+                f"torchrun: the group re-formed with {len(nodes)} node(s) "
+                f"({', '.join(nodes)}{'; ' + change if change else ''}): "
+                f"training goes on from the newest checkpoint{' at the new world size' if change else ''}"
+            )
         self.round, self._workers, self._missing = r.id, workers, set()
         if nodes:
             self.members, self.left = nodes, []

@@ -54,7 +54,10 @@ def margin_problem() -> str | None:
             return None
     except ValueError:
         pass
-    return f"error: {MARGIN_ENV}={value!r} is not a number of seconds: set it to the seconds to stop before the time limit (default {DEFAULT_MARGIN_S:.0f})"
+    return (
+        f"error: {MARGIN_ENV}={value!r} is not a number of seconds: set it to the seconds to stop before the time "
+        f"limit (default {DEFAULT_MARGIN_S:.0f})"
+    )
 
 
 def _slurm(*cmd: str) -> str | None:
@@ -87,8 +90,10 @@ class TimeLimit:
         self.at: float | None = None
         self.reached = False
         if left is not None and left <= self.margin_s:
-            say(f"slurm: job {_job()} has {left:.0f} s left, within the {self.margin_s:.0f} s margin ({MARGIN_ENV}): "
-                "it will not stop to save before its time limit")
+            say(
+                f"slurm: job {_job()} has {left:.0f} s left, within the {self.margin_s:.0f} s margin ({MARGIN_ENV}): "
+                "it will not stop to save before its time limit"
+            )
         elif left is not None:
             self.at = time.monotonic() + left - self.margin_s
 
@@ -97,8 +102,11 @@ class TimeLimit:
         if self.at is None or self.reached or time.monotonic() < self.at:
             return ""
         self.reached = True
-        return (f"slurm: job {_job()} reaches its time limit in {self.margin_s:.0f} s: the workers stop after their current step "
-                "and save a checkpoint, then the job is requeued")
+        return (
+            f"slurm: job {_job()} reaches its time limit in {self.margin_s:.0f} s: the workers stop after their "
+            f"current step "
+            "and save a checkpoint, then the job is requeued"
+        )
 
 
 def preempted() -> bool:
@@ -141,5 +149,9 @@ def cpu_shortfall() -> str:
     have = len(os.sched_getaffinity(0))
     if have >= int(want):
         return ""
-    return (f"slurm: warning: this job step runs on {have} CPU(s) of the {want} per task the job holds (srun has not passed "
-            f"--cpus-per-task on since Slurm 22.05): export SRUN_CPUS_PER_TASK={want} before sbatch or torchx run, or srun -c {want}")
+    return (
+        f"slurm: warning: this job step runs on {have} CPU(s) of the {want} per task the job holds (srun has not "
+        f"passed "
+        f"--cpus-per-task on since Slurm 22.05): export SRUN_CPUS_PER_TASK={want} before sbatch or torchx run, or "
+        f"srun -c {want}"
+    )

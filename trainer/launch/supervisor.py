@@ -68,7 +68,12 @@ CRASHES_FOLDER = ".crashes"
 checkpoint."""
 
 SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-FORWARDED = {signal.SIGTERM: signal.SIGTERM, signal.SIGINT: signal.SIGINT, signal.SIGHUP: signal.SIGHUP, signal.SIGUSR1: signal.SIGTERM}
+FORWARDED = {
+    signal.SIGTERM: signal.SIGTERM,
+    signal.SIGINT: signal.SIGINT,
+    signal.SIGHUP: signal.SIGHUP,
+    signal.SIGUSR1: signal.SIGTERM,
+}
 
 
 def gpu_count() -> int:
@@ -144,7 +149,9 @@ def stacks_from_outside(pid: int, timeout_s: float = 20.0) -> str:
     if spy is None:
         return "(no Python stacks: py-spy is not installed, and the process could not run to write them)"
     try:
-        p = subprocess.run([spy, "dump", "--pid", str(pid), "--nonblocking"], capture_output=True, text=True, timeout=timeout_s)
+        p = subprocess.run(
+            [spy, "dump", "--pid", str(pid), "--nonblocking"], capture_output=True, text=True, timeout=timeout_s
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"(no Python stacks: py-spy failed: {type(e).__name__})"
     if p.returncode != 0:
@@ -169,9 +176,11 @@ def kill_hung_workers(folder: Path, margin_s: float = HEARTBEAT_MARGIN_S) -> lis
             continue  # gone already, or exited and not yet reaped by torchrun (its attempt is ending)
         step = last_step(folder, info["rank"])  # exact: the heartbeat file's is up to a second old
         step = info["step"] if step is None else step
-        line = (f"trainer torchrun: rank {info['rank']} (pid {info['pid']}, {now}) has made no progress for {age:.0f} s "
-                f"after step {step} and its own watchdog did not act (bound {info['bound_s']:.0f} s, dist.hang_timeout_s): "
-                "killing it so that torchrun restarts from the newest checkpoint")
+        line = (
+            f"trainer torchrun: rank {info['rank']} (pid {info['pid']}, {now}) has made no progress for {age:.0f} s "
+            f"after step {step} and its own watchdog did not act (bound {info['bound_s']:.0f} s, dist.hang_timeout_s): "
+            "killing it so that torchrun restarts from the newest checkpoint"
+        )
         try:
             with open(info["hang_file"], "a") as f:
                 f.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n{stacks_from_outside(info['pid'])}\n")
@@ -211,9 +220,12 @@ class LostRendezvous:
         idle = time.monotonic() - self.since
         if idle <= self.bound_s:
             return ""
-        return (f"trainer torchrun: no worker has run on this node for {idle:.0f} s and torchrun still waits on the rendezvous "
-                f"at {self.endpoint} (join_timeout {self.join_s:.0f} s): the first node is unreachable or gone; "
-                f"exiting {EXIT_CRASH} so that the scheduler starts the job again")
+        return (
+            f"trainer torchrun: no worker has run on this node for {idle:.0f} s and torchrun still waits on the "
+            f"rendezvous "
+            f"at {self.endpoint} (join_timeout {self.join_s:.0f} s): the first node is unreachable or gone; "
+            f"exiting {EXIT_CRASH} so that the scheduler starts the job again"
+        )
 
 
 def verdict(torchrun_code: int, codes: list[int], signalled: bool = False) -> int:
@@ -226,7 +238,11 @@ def verdict(torchrun_code: int, codes: list[int], signalled: bool = False) -> in
         return EXIT_OK
     if codes and all(c == EXIT_PREEMPTED for c in codes):
         return EXIT_PREEMPTED
-    if signalled and not codes and torchrun_code in (-signal.SIGTERM, 128 + signal.SIGTERM, 128 + signal.SIGINT, 128 + signal.SIGHUP):
+    if (
+        signalled
+        and not codes
+        and torchrun_code in (-signal.SIGTERM, 128 + signal.SIGTERM, 128 + signal.SIGINT, 128 + signal.SIGHUP)
+    ):
         return EXIT_PREEMPTED
     if torchrun_code < 0:  # killed by a signal
         return 128 - torchrun_code
@@ -243,7 +259,10 @@ def exit_policy_problem() -> str | None:
     """The one-line error for a policy that is none, else None (as slurm.margin_problem)."""
     if exit_policy() in ("", "exitcode"):
         return None
-    return f"{EXIT_POLICY_ENV}={exit_policy()!r} is not a policy; set it to exitcode (Kubeflow's restartPolicy: ExitCode) or leave it unset"
+    return (
+        f"{EXIT_POLICY_ENV}={exit_policy()!r} is not a policy; set it to exitcode (Kubeflow's restartPolicy: ExitCode) "
+        "or leave it unset"
+    )
 
 
 def crash_budget(root: Path, host: str, limit: int) -> tuple[int, str | None]:
@@ -276,9 +295,13 @@ def for_launcher(code: int, run_dir: Path | None, policy: str) -> int:
             crashes, step = crash_budget(run_dir, host, limit)
             if crashes >= limit:
                 since = f"since {step} was saved" if step else "before any checkpoint"
-                say(f"{host}: {crashes} crashes in a row {since}, no progress: exit {EXIT_CRASH}, a final failure of the job; "
-                    "the tracebacks are in the run folder (error-rank*.txt): fix the cause and submit again (the job resumes from its newest "
-                    "checkpoint)")
+                say(
+                    f"{host}: {crashes} crashes in a row {since}, no progress: exit {EXIT_CRASH}, a final failure of "
+                    f"the job; "
+                    "the tracebacks are in the run folder (error-rank*.txt): fix the cause and submit again (the job "
+                    "resumes from its newest "
+                    "checkpoint)"
+                )
                 return EXIT_CRASH
     return RETRYABLE + code
 
@@ -314,7 +337,9 @@ def node_cache_env(cfg: Config | None, probe: str = "torch") -> dict[str, str]:
     return env
 
 
-def _watch(proc: subprocess.Popen, exit_dir: Path, watch: LostRendezvous, limit: slurm.TimeLimit | None, poll_s: float) -> tuple[int, bool]:
+def _watch(
+    proc: subprocess.Popen, exit_dir: Path, watch: LostRendezvous, limit: slurm.TimeLimit | None, poll_s: float
+) -> tuple[int, bool]:
     """Wait for torchrun, meanwhile killing hung workers, stopping it (SIGTERM: the workers save) at
     a Slurm job's time limit, and ending it when its rendezvous is lost or a worker exited with bad
     input; (its exit code, ended for bad input)."""
@@ -349,9 +374,13 @@ def missing_mount() -> str | None:
     for pair in filter(None, os.environ.get(contract.MOUNTS_ENV, "").split(";")):
         dst, _, volume = pair.partition("=")
         if not os.path.ismount(dst):
-            return (f"error: the volume {volume} was to be mounted at {dst}, and nothing is mounted there: this scheduler mounts "
-                    "nothing (TorchX on Slurm or locally); pass --checkpoint_mount \"\" --checkpoint_dir DIR (and --data_mount \"\" "
-                    "--data_dir DIR) with folders on storage every node sees")
+            return (
+                f"error: the volume {volume} was to be mounted at {dst}, and nothing is mounted there: this scheduler "
+                f"mounts "
+                'nothing (TorchX on Slurm or locally); pass --checkpoint_mount "" --checkpoint_dir DIR (and '
+                '--data_mount "" '
+                "--data_dir DIR) with folders on storage every node sees"
+            )
     return None
 
 
@@ -385,7 +414,9 @@ def _error_file(message: str) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
         try:
-            Path(path).write_text(json.dumps({"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}))
+            Path(path).write_text(
+                json.dumps({"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}})
+            )
         except OSError:
             pass
 
@@ -409,14 +440,22 @@ def torchrun_env(exit_dir: Path, torchrun_args: list[str], cfg: Config | None) -
     beside the user's."""
     # torchrun's restarts would reuse the c10d rendezvous store, whose stale keys from the failed
     # attempt make the new group connect to dead ranks (pytorch issue 167288): a fresh store each time
-    env = {SHARED_STORE_ENV: "1", **os.environ, contract.EXIT_DIR_ENV: str(exit_dir), contract.NNODES_ENV: option(torchrun_args, "nnodes", "1"),
-           **({contract.RUN_DIR_ENV: cfg.checkpoint.dir} if cfg is not None else {}), **node_cache_env(cfg)}
+    env = {
+        SHARED_STORE_ENV: "1",
+        **os.environ,
+        contract.EXIT_DIR_ENV: str(exit_dir),
+        contract.NNODES_ENV: option(torchrun_args, "nnodes", "1"),
+        **({contract.RUN_DIR_ENV: cfg.checkpoint.dir} if cfg is not None else {}),
+        **node_cache_env(cfg),
+    }
     if "PYTHONPYCACHEPREFIX" in env:
         env.pop("PYTHONDONTWRITEBYTECODE", None)  # written under the prefix, on the volume, only
     return env
 
 
-def conclude(code: int, exit_dir: Path, stopped_for_usage: bool, stop: str, limit: slurm.TimeLimit | None, run_dir: Path | None) -> int:
+def conclude(
+    code: int, exit_dir: Path, stopped_for_usage: bool, stop: str, limit: slurm.TimeLimit | None, run_dir: Path | None
+) -> int:
     """The launcher's exit code once torchrun has ended, and what is said of it. ``stop``: the signal
     (or the time limit) that stopped it, '' if none."""
     codes = recorded(exit_dir)
@@ -451,9 +490,17 @@ class Forward:
             self.proc.kill()  # the workers follow (PR_SET_PDEATHSIG)
         elif len(self.signals) == 1:
             (self.exit_dir / contract.SIGNALLED).touch()
-            say(f"{signal.Signals(signum).name} received: the workers stop after their current step and save a checkpoint "
-                "(Ctrl-C again stops at once)")
+            say(
+                f"{signal.Signals(signum).name} received: the workers stop after their current step and save a "
+                f"checkpoint "
+                "(Ctrl-C again stops at once)"
+            )
             self.proc.send_signal(FORWARDED[signum])
+
+
+def input_problem(torchrun_args: list[str], cfg: Config | None) -> str | None:
+    """The one-line error for input the supervisor can check before torchrun starts, else None."""
+    return missing_mount() or slurm.margin_problem() or exit_policy_problem() or world_range_problem(torchrun_args, cfg)
 
 
 def supervise(torchrun_args: list[str], poll_s: float = 0.5) -> int:
@@ -462,7 +509,7 @@ def supervise(torchrun_args: list[str], poll_s: float = 0.5) -> int:
         say(warning)
     cfg = worker_config(torchrun_args)  # the one parse of the workers' config in this process
     run_dir = cfg.checkpoint.root if cfg is not None else None
-    if (error := missing_mount() or slurm.margin_problem() or exit_policy_problem() or world_range_problem(torchrun_args, cfg)) is not None:
+    if (error := input_problem(torchrun_args, cfg)) is not None:
         say(error)
         _error_file(error)
         if slurm.supervising():
@@ -471,16 +518,19 @@ def supervise(torchrun_args: list[str], poll_s: float = 0.5) -> int:
     exit_dir = Path(tempfile.mkdtemp(prefix="trainer-exit-"))
     env = torchrun_env(exit_dir, torchrun_args, cfg)
     torchrun_args = with_rdzv_defaults(torchrun_args)
-    cmd = [sys.executable, "-m", "trainer.launch.torchrun", *torchrun_args]  # torchrun itself, with our rendezvous reporter
+    cmd = [sys.executable, "-m", "trainer.launch.torchrun", *torchrun_args]  # torchrun itself, with our reporter
     limit = slurm.TimeLimit() if slurm.supervising() else None
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=contract.die_with_parent, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        cmd, env=env, start_new_session=True, preexec_fn=contract.die_with_parent, stderr=subprocess.PIPE
+    )
     relay = Relay(proc.stderr, native_log(run_dir)).start()  # torch's native lines to the run folder, not the console
     got = Forward(proc, exit_dir)
     previous = {s: signal.signal(s, got.on_signal) for s in FORWARDED}
     try:
         code, stopped_for_usage = _watch(proc, exit_dir, LostRendezvous(torchrun_args, proc.pid), limit, poll_s)
         relay.join()  # the workers' last lines before ours
-        stop = signal.Signals(got.signals[0]).name if got.signals else "the job's time limit" if limit is not None and limit.reached else ""
+        limited = "the job's time limit" if limit is not None and limit.reached else ""
+        stop = signal.Signals(got.signals[0]).name if got.signals else limited
         return conclude(code, exit_dir, stopped_for_usage, stop, limit, run_dir)
     finally:
         for s, h in previous.items():

@@ -62,8 +62,11 @@ def main(argv: list[str]) -> int:
         return EXIT_CRASH
     except ChildFailedError as e:  # the workers said what failed, each in one line; torchrun's box repeats it
         rank, failure = e.get_first_failure()
-        say(f"torchrun: no restart left after rank {rank} exited {failure.exitcode} (pid {failure.pid}); the workers' lines above "
-            "say what failed, their tracebacks are in the run folder (error-rank*.txt)")
+        say(
+            f"torchrun: no restart left after rank {rank} exited {failure.exitcode} (pid {failure.pid}); the workers' "
+            f"lines above "
+            "say what failed, their tracebacks are in the run folder (error-rank*.txt)"
+        )
         return failure.exitcode if failure.exitcode > 0 else EXIT_CRASH
     finally:
         if reporter is not None:

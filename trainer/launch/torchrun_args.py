@@ -22,12 +22,13 @@ node, RELIABILITY.md, "A rendezvous in etcd"."""
 ELASTIC_KEEP_ALIVE_S = 3
 """Seconds between an elastic job's rendezvous keep-alives (torchrun's default: 5 s)."""
 
+
 def worker_config(torchrun_args: list[str]) -> Config | None:
     """The config of ``-m trainer train ...`` in torchrun's arguments, parsed once by the
     supervisor with the CLI's own grammar; None for another module, or bad input that the workers
     will report in their own words."""
-    i = next((i for i in range(len(torchrun_args) - 2) if torchrun_args[i:i + 3] == ["-m", "trainer", "train"]), None)
-    return None if i is None else command_config(torchrun_args[i + 3:])
+    i = next((i for i in range(len(torchrun_args) - 2) if torchrun_args[i : i + 3] == ["-m", "trainer", "train"]), None)
+    return None if i is None else command_config(torchrun_args[i + 3 :])
 
 
 def option(argv: list[str], name: str, default: str = "") -> str:
@@ -71,7 +72,8 @@ def with_rdzv_defaults(argv: list[str]) -> list[str]:
     conf = rdzv_conf(argv)
     wanted = {"read_timeout": conf.get("join_timeout", "600")} if backend == "c10d" else {}
     if ":" in option(argv, "nnodes", "1"):
-        wanted["last_call_timeout"] = str(ELASTIC_LAST_CALL_S if backend == "c10d" else ETCD_LAST_CALL_S)  # etcd-v2: the same key, 30 s too
+        # etcd-v2: the same key, 30 s too
+        wanted["last_call_timeout"] = str(ELASTIC_LAST_CALL_S if backend == "c10d" else ETCD_LAST_CALL_S)
         wanted["keep_alive_interval"] = str(ELASTIC_KEEP_ALIVE_S)
     if all(k in conf for k in wanted):
         return argv
@@ -112,16 +114,26 @@ def rendezvous_failure(argv: list[str], error: BaseException, left: list[str] | 
     nodes, job = option(argv, "nnodes", "1"), option(argv, "rdzv-id", "none")
     conf = rdzv_conf(argv)
     if isinstance(error, RendezvousTimeoutError) and left:
-        return (f"torchrun: {', '.join(left)}, lost {where_lost()}, did not come back to the rendezvous at {at} "
-                f"(id {job}) within {conf.get('join_timeout', '600')} s: start the same command there again, or run elastic "
-                f"(--nnodes MIN:{nodes.split(':')[-1]}) so that the nodes left go on; exit {EXIT_CRASH} so that the scheduler retries "
-                "from the newest checkpoint")
+        return (
+            f"torchrun: {', '.join(left)}, lost {where_lost()}, did not come back to the rendezvous at {at} "
+            f"(id {job}) within {conf.get('join_timeout', '600')} s: start the same command there again, or run "
+            f"elastic "
+            f"(--nnodes MIN:{nodes.split(':')[-1]}) so that the nodes left go on; exit {EXIT_CRASH} so that the "
+            f"scheduler retries "
+            "from the newest checkpoint"
+        )
     if isinstance(error, RendezvousTimeoutError):
-        return (f"torchrun: the rendezvous at {at} (id {job}) did not gather {nodes} nodes within "
-                f"{conf.get('join_timeout', '600')} s: start the same command on every node (same --rdzv-id, and "
-                f"--rdzv-endpoint reachable from each), or wait longer with --rdzv-conf join_timeout=SECONDS")
+        return (
+            f"torchrun: the rendezvous at {at} (id {job}) did not gather {nodes} nodes within "
+            f"{conf.get('join_timeout', '600')} s: start the same command on every node (same --rdzv-id, and "
+            f"--rdzv-endpoint reachable from each), or wait longer with --rdzv-conf join_timeout=SECONDS"
+        )
     if isinstance(error, RendezvousClosedError):
-        return (f"torchrun: the rendezvous at {at} (id {job}) was closed: the job ended on another node; "
-                "start every node again (with a new --rdzv-id if the old job's nodes are gone)")
-    return (f"torchrun: cannot reach the rendezvous at {at} (id {job}): {error or type(error).__name__}; check that "
-            "the first node runs and that this node reaches it at that address and port")
+        return (
+            f"torchrun: the rendezvous at {at} (id {job}) was closed: the job ended on another node; "
+            "start every node again (with a new --rdzv-id if the old job's nodes are gone)"
+        )
+    return (
+        f"torchrun: cannot reach the rendezvous at {at} (id {job}): {error or type(error).__name__}; check that "
+        "the first node runs and that this node reaches it at that address and port"
+    )

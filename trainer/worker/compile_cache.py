@@ -43,10 +43,19 @@ def key(cfg: Any, rt: Any, fast: Any) -> str:
     """16 hex digits naming the folder for this torch, device, world and config."""
     device = torch.cuda.get_device_name(rt.device) if rt.cuda else f"cpu-{platform.machine()}"
     parts = {
-        "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(), "device": device,
-        "world_size": rt.world_size, "strategy": rt.strategy, "fast": dataclasses.asdict(fast),
-        "model": dataclasses.asdict(cfg.model), "dist": dataclasses.asdict(cfg.dist), "optim": dataclasses.asdict(cfg.optim),
-        "train": {k: getattr(cfg.train, k) for k in ("batch_size", "precision", "param_dtype", "deterministic", "strategy")},
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "device": device,
+        "world_size": rt.world_size,
+        "strategy": rt.strategy,
+        "fast": dataclasses.asdict(fast),
+        "model": dataclasses.asdict(cfg.model),
+        "dist": dataclasses.asdict(cfg.dist),
+        "optim": dataclasses.asdict(cfg.optim),
+        "train": {
+            k: getattr(cfg.train, k) for k in ("batch_size", "precision", "param_dtype", "deterministic", "strategy")
+        },
         "data": {k: getattr(cfg.data, k) for k in ("crop_padding", "crop_mode", "flip", "flip_mode")},
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -69,8 +78,15 @@ def use(root: Path, name: str) -> Path:
 
 def _files(d: Path) -> list[Path]:
     """The cache's entries: no lock files, no half-written temporaries."""
-    return sorted(p for p in d.rglob("*") if p.is_file() and p.name != MANIFEST and not p.name.endswith(".lock") and ".tmp" not in p.name
-                  and not p.name.startswith("tmp"))
+    return sorted(
+        p
+        for p in d.rglob("*")
+        if p.is_file()
+        and p.name != MANIFEST
+        and not p.name.endswith(".lock")
+        and ".tmp" not in p.name
+        and not p.name.startswith("tmp")
+    )
 
 
 def check(root: Path, name: str) -> str:

@@ -4,7 +4,8 @@ A lost peer (its host crashed, its link cut) reaches every surviving rank as an 
 deep inside autograd or a collective: gloo's ``Read error [10.1.0.11]:40567: Connection reset by
 peer``, NCCL's remote error, a collective timeout. The console gets one line that says which rank
 and host was lost or did not answer, at which step, and what happens next (torchrun goes back to its
-rendezvous to re-form the group from the newest checkpoint, or the launcher's retry resumes); the whole traceback goes to
+rendezvous to re-form the group from the newest checkpoint, or the launcher's retry resumes); the whole traceback goes
+to
 ``<run folder>/error-rank<R>.txt``. Any other crash reads the same way, naming the exception.
 
 The kind of failure comes from torch's typed errors first (``DistNetworkError``: a peer or the
@@ -25,8 +26,11 @@ from pathlib import Path
 
 from trainer.contract import say
 
-LOST = re.compile(r"Connection reset by peer|Connection refused|Connection closed by peer|Broken pipe|Read error|Write error|"
-                  r"remote process exited|network error|ncclRemoteError|Socket Timeout|EPIPE|ECONNRESET", re.IGNORECASE)
+LOST = re.compile(
+    r"Connection reset by peer|Connection refused|Connection closed by peer|Broken pipe|Read error|Write error|"
+    r"remote process exited|network error|ncclRemoteError|Socket Timeout|EPIPE|ECONNRESET",
+    re.IGNORECASE,
+)
 TIMED_OUT = re.compile(r"Timed out waiting|collective operation timeout|timed out", re.IGNORECASE)
 COLLECTIVE = re.compile(r"gloo|nccl|collective|all_?reduce|barrier|recv|send", re.IGNORECASE)
 ADDRESS = re.compile(r"\[([0-9a-fA-F.:]+)\]:\d+")
@@ -54,7 +58,9 @@ def what_next(root: Path | None) -> str:
     where = f"from {newest}" if newest else "from the start (no checkpoint yet)"
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return f"run the same command to resume {where}"
-    left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - int(
+        os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    )
     if left > 0:
         # what torchrun does now, not what comes of it: whether the group re-forms is known only at
         # the rendezvous, and the launcher's console says it then (re-formed, or cannot reach it)
@@ -82,12 +88,16 @@ def kind(error: BaseException) -> str:
     message = f"{error}"
     if isinstance(error, dist.DistNetworkError) or LOST.search(message):
         return "lost"
-    if isinstance(error, dist.DistStoreError) or (TIMED_OUT.search(message) and (isinstance(error, dist.DistError) or COLLECTIVE.search(message))):
+    if isinstance(error, dist.DistStoreError) or (
+        TIMED_OUT.search(message) and (isinstance(error, dist.DistError) or COLLECTIVE.search(message))
+    ):
         return "timeout"
     return "other"
 
 
-def describe(error: BaseException, rank: int, step: int | None, hosts: list[tuple[str, list[str]]], timeout_s: float, peers=None) -> str:
+def describe(
+    error: BaseException, rank: int, step: int | None, hosts: list[tuple[str, list[str]]], timeout_s: float, peers=None
+) -> str:
     """The line's first half: who failed, what was lost, at which step. ``peers`` (the watchdog's
     view of the store) tells a rank that is gone from one that failed because of it: the peer
     whose connection broke first may only be a rank that exited on the same loss."""
@@ -107,11 +117,13 @@ def describe(error: BaseException, rank: int, step: int | None, hosts: list[tupl
         whom = ", ".join(f"rank {r} ({h})" for r, h in lost) or "a peer"
         return f"{me}: lost {whom}{at}: {_short(first)}"
     if failed == "timeout":
-        silent = peers.lost(hosts) if peers is not None else None  # a host lost silently (no reset): whoever noted no failure
+        # a host lost silently (no reset): whoever noted no failure
+        silent = peers.lost(hosts) if peers is not None else None
         if silent:
             whom = ", ".join(f"rank {r} ({h})" for r, h in silent)
             return f"{me}: lost {whom}{at}: it did not answer a collective for dist.timeout_s={timeout_s:g} s"
-        return f"{me}: a collective waited dist.timeout_s={timeout_s:g} s for a rank that did not answer{at}: {_short(first)}"
+        waited = f"a collective waited dist.timeout_s={timeout_s:g} s for a rank that did not answer"
+        return f"{me}: {waited}{at}: {_short(first)}"
     return f"{me}: crashed{at}: {type(error).__name__}: {_short(first)}"
 
 
@@ -121,8 +133,15 @@ def _short(text: str) -> str:
     return text.split(". This is typically caused")[0]
 
 
-def report(error: BaseException, root: Path | None, rank: int, step: int | None, hosts: list[tuple[str, list[str]]],
-           timeout_s: float, peers=None) -> str:
+def report(
+    error: BaseException,
+    root: Path | None,
+    rank: int,
+    step: int | None,
+    hosts: list[tuple[str, list[str]]],
+    timeout_s: float,
+    peers=None,
+) -> str:
     """Write the traceback to ``root/error-rank<R>.txt`` and return the console line."""
     where = "stderr"
     text = "".join(traceback.format_exception(error))
@@ -132,7 +151,10 @@ def report(error: BaseException, root: Path | None, rank: int, step: int | None,
         root.mkdir(parents=True, exist_ok=True)
         path = root / f"error-rank{rank}.txt"
         with open(path, "a") as f:
-            f.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} rank {rank} ({socket.gethostname()}) pid {os.getpid()} step {step}\n{text}\n")
+            f.write(
+                f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} rank {rank} ({socket.gethostname()}) pid {os.getpid()} "
+                f"step {step}\n{text}\n"
+            )
         where = str(path)
     except OSError:
         say(text)

@@ -36,8 +36,16 @@ def predict(model: torch.nn.Module, x: torch.Tensor, tta: str) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, split: Split, cfg: Config, rt: Runtime, augment: Augment, bf16: bool, beat=None,
-             on_batch=None) -> tuple[float, float]:
+def evaluate(
+    model: torch.nn.Module,
+    split: Split,
+    cfg: Config,
+    rt: Runtime,
+    augment: Augment,
+    bf16: bool,
+    beat=None,
+    on_batch=None,
+) -> tuple[float, float]:
     """(test loss, test accuracy). Each rank takes a contiguous shard and every rank runs the same
     number of batches (sharded models gather weights collectively), so every test image is counted
     exactly once whatever the world size. ``beat()`` after each batch tells the hang watchdog;

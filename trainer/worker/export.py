@@ -59,7 +59,9 @@ def check_batch(model: Trained) -> tuple[torch.Tensor, str]:
         except (ConfigError, OSError):
             pass
     g = torch.Generator().manual_seed(0)
-    return torch.randn(CHECK_BATCH, 3, model.image_size, model.image_size, generator=g), f"{CHECK_BATCH} random images (the run's data is not here)"
+    return torch.randn(
+        CHECK_BATCH, 3, model.image_size, model.image_size, generator=g
+    ), f"{CHECK_BATCH} random images (the run's data is not here)"
 
 
 def write(model: Trained, fmt: str, out: Path, x: torch.Tensor) -> None:
@@ -104,9 +106,14 @@ def export(source: str, fmt: str, out: str | None, say=print) -> Path:
         got = open_trained(str(path)).logits(x)
     diff = (got - want).abs().max().item()
     scale = max(1.0, want.abs().max().item())
-    line = f"{path}: {fmt}, {model.name}, {len(model.classes)} classes, {model.image_size} px, written in {took:.1f} s; " \
-           f"largest logit difference from PyTorch on {what}: {diff:.2e} (tolerance {TOLERANCE * scale:.1e})"
+    line = (
+        f"{path}: {fmt}, {model.name}, {len(model.classes)} classes, {model.image_size} px, written in {took:.1f} s; "
+        f"largest logit difference from PyTorch on {what}: {diff:.2e} (tolerance {TOLERANCE * scale:.1e})"
+    )
     if diff > TOLERANCE * scale:
-        raise ExportMismatch(line.replace("; largest", ": MISMATCH; largest") + "; the file is kept for a look; report it with the model's name")
+        raise ExportMismatch(
+            line.replace("; largest", ": MISMATCH; largest")
+            + "; the file is kept for a look; report it with the model's name"
+        )
     say(line)
     return path

@@ -81,4 +81,3 @@ def step_hooks(rank: int) -> StepHooks | None:
     fault = (_fault() or ("",))[0] == "batch"
     trace = os.environ.get("TRAINER_SAMPLE_TRACE", "")
     return StepHooks(rank, fault, trace) if fault or trace else None
-

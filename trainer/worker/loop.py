@@ -61,10 +61,15 @@ class Trainer:
             if self.train_epoch(self.state.epoch):
                 self.save(sync=True)
                 if stopped_by_torchrun():  # not a preemption: the group goes on at its new size
-                    self.run.say.line(f"stopped by torchrun for a re-form of the group at step {self.state.step}; checkpoint saved, "
-                                    "the re-formed group resumes from it")
+                    self.run.say.line(
+                        f"stopped by torchrun for a re-form of the group at step {self.state.step}; checkpoint saved, "
+                        "the re-formed group resumes from it"
+                    )
                 else:
-                    self.run.say.line(f"stopped by {self.run.stop.signal_name} at step {self.state.step}; checkpoint saved, exit {EXIT_PREEMPTED}")
+                    self.run.say.line(
+                        f"stopped by {self.run.stop.signal_name} at step {self.state.step}; checkpoint saved, exit "
+                        f"{EXIT_PREEMPTED}"
+                    )
                 return EXIT_PREEMPTED
             self.end_epoch()
         self.finish()
@@ -76,14 +81,26 @@ class Trainer:
         if self.rt.is_main:
             (run.root / "config.yaml").write_text(to_yaml(self.cfg))
         shown = torch.cuda.device_count() if self.rt.strategy == "dp" else self.rt.world_size
-        where = f"resuming from {run.resumed_from} (epoch {self.state.epoch}, step {self.state.step})" if run.resumed_from else "starting fresh"
+        where = (
+            f"resuming from {run.resumed_from} (epoch {self.state.epoch}, step {self.state.step})"
+            if run.resumed_from
+            else "starting fresh"
+        )
         run.say.line(
             f"{self.cfg.model.name} | strategy {self.rt.strategy} x{shown} on {self.rt.device.type} | "
-            f"{run.data_plan.describe(len(run.train_split), len(run.test_split), len(run.train_split.classes))} | {run.fast} | "
-            + (f"{run.weights} | " if run.weights else "") + f"{where} | run folder {run.root}"
+            f"{run.data_plan.describe(len(run.train_split), len(run.test_split), len(run.train_split.classes))} | "
+            f"{run.fast} | " + (f"{run.weights} | " if run.weights else "") + f"{where} | run folder {run.root}"
         )
-        run.metrics.write({"event": "start", "strategy": self.rt.strategy, "world_size": self.rt.world_size, "step": self.state.step,
-                     "resumed_from": str(run.resumed_from) if run.resumed_from else None, "fast": str(run.fast)})
+        run.metrics.write(
+            {
+                "event": "start",
+                "strategy": self.rt.strategy,
+                "world_size": self.rt.world_size,
+                "step": self.state.step,
+                "resumed_from": str(run.resumed_from) if run.resumed_from else None,
+                "fast": str(run.fast),
+            }
+        )
         if run.fast.compile or self.rt.cuda:
             self.warm_up()
 
@@ -104,7 +121,8 @@ class Trainer:
         run.net.train()
         for i in range(3 if run.fast.cudagraphs else 1):
             _ = self.forward_backward(x, y).item()
-            run.model.zero_grad(set_to_none=True)  # the model's: with bf16 weights the optimizer holds only their masters
+            # the model's: with bf16 weights the optimizer holds only their masters
+            run.model.zero_grad(set_to_none=True)
             clock.mark("compile_and_first_forward_backward" if i == 0 else "cuda_graph_recording")
         if run.extras.warm_up(run.optimizer):
             clock.mark("master_update_compile")
@@ -112,18 +130,36 @@ class Trainer:
             for k, v in run.model.state_dict().items():
                 v.copy_(saved[k])
         clock.mark("restore_after_warm_up")
-        self.first_step_s, since = time.perf_counter() - run.started_at, since_command()  # both clocks at the same moment
+        # both clocks at the same moment
+        self.first_step_s, since = time.perf_counter() - run.started_at, since_command()
+        self.record_first_step(since)
+
+    def record_first_step(self, since: float | None) -> None:
+        """Seal the compile cache for the next start, say what it held, and record the first step's figures."""
+        run, clock = self.run, self.run.startup
         cache_bytes = 0
         if run.compile_cache != "off" and self.rt.is_main:
             # what this start compiled or found, for the next one
             cache_bytes = compile_cache.seal(run.root, run.compile_key)
             clock.mark("compile_cache_seal (after the first-step clock)")
         if run.compile_cache != "off":
-            run.say.line(f"compile cache {run.compile_key}: {run.compile_cache}" + (f"; sealed {cache_bytes / 2**20:.1f} MiB for restarts" if cache_bytes else ""))
-        run.metrics.write({"event": "first_step", "seconds": round(self.first_step_s, 3), "since_command_s": since, "compiled": run.fast.compile,
-                     "compile_cache": run.compile_cache, "compile_cache_bytes": cache_bytes,
-                     "startup_s": clock.phases, "compile_s": clock.compile_seconds() if run.fast.compile else {},
-                     "graph_cache": clock.graph_cache_counts() if run.fast.compile else {}})
+            run.say.line(
+                f"compile cache {run.compile_key}: {run.compile_cache}"
+                + (f"; sealed {cache_bytes / 2**20:.1f} MiB for restarts" if cache_bytes else "")
+            )
+        run.metrics.write(
+            {
+                "event": "first_step",
+                "seconds": round(self.first_step_s, 3),
+                "since_command_s": since,
+                "compiled": run.fast.compile,
+                "compile_cache": run.compile_cache,
+                "compile_cache_bytes": cache_bytes,
+                "startup_s": clock.phases,
+                "compile_s": clock.compile_seconds() if run.fast.compile else {},
+                "graph_cache": clock.graph_cache_counts() if run.fast.compile else {},
+            }
+        )
 
     def done_steps(self) -> bool:
         return 0 < self.cfg.train.max_steps <= self.state.step
@@ -131,7 +167,10 @@ class Trainer:
     # The record_function labels name the parts of a step in profiles (profile.steps); without a
     # profiler running each costs about a microsecond.
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with record_function("step.forward"), torch.autocast(self.rt.device.type, dtype=torch.bfloat16, enabled=self.run.fast.bf16):
+        with (
+            record_function("step.forward"),
+            torch.autocast(self.rt.device.type, dtype=torch.bfloat16, enabled=self.run.fast.bf16),
+        ):
             loss = self.run.net(x, y)  # the model and its loss (compiled together)
         self.timer.forward_end = self.timer.mark()  # the step's own part ends: the backward waits for the other ranks
         with record_function("step.backward"):
@@ -211,7 +250,9 @@ class Trainer:
         if self.first_step_s is None:
             _ = loss.item()  # one-time sync: time to first step includes compilation
             self.first_step_s = time.perf_counter() - self.run.started_at
-            self.run.metrics.write({"event": "first_step", "seconds": round(self.first_step_s, 3), "since_command_s": since_command()})
+            self.run.metrics.write(
+                {"event": "first_step", "seconds": round(self.first_step_s, 3), "since_command_s": since_command()}
+            )
 
     def log(self, epoch: int, window: LogWindow) -> None:
         run, cfg, step = self.run, self.cfg, self.state.step
@@ -225,8 +266,19 @@ class Trainer:
         if step % cfg.train.log_every == 0:  # the same steps on every rank (a time-based line is not): an all-gather
             ranks, note = self.stragglers.judge(self.stragglers.gather(self.timer.own_ms()))
         run.say.step(epoch, cfg.train.epochs, self.state.epoch_step, run.steps_per_epoch, value, ips, eta, stall, note)
-        run.metrics.write({"event": "log", "epoch": epoch, "step": step, "loss": round(value, 5), "images_per_s": round(ips, 1),
-                         "window_steps": window.steps, "stalled_s": round(stall, 3), "lr": run.schedule.get_last_lr()[0], **ranks})
+        run.metrics.write(
+            {
+                "event": "log",
+                "epoch": epoch,
+                "step": step,
+                "loss": round(value, 5),
+                "images_per_s": round(ips, 1),
+                "window_steps": window.steps,
+                "stalled_s": round(stall, 3),
+                "lr": run.schedule.get_last_lr()[0],
+                **ranks,
+            }
+        )
         window.reset(now, stalled)
 
     def summarize(self, steps: int, loss_sum: torch.Tensor, t_epoch: float) -> dict:
@@ -239,7 +291,8 @@ class Trainer:
         return {
             # None: every step ran before a resume
             "train_loss": round((mean_loss[0] / mean_loss[1]).item(), 5) if steps else None,
-            "train_seconds": round(seconds, 3), "steps": steps,
+            "train_seconds": round(seconds, 3),
+            "steps": steps,
             "images_per_s": round(steps * self.cfg.train.batch_size / seconds, 1) if steps else None,
             "data_ms_per_step": round(data_ms / steps, 4) if steps else None,
             "step_ms_per_step": round(step_ms / steps, 4) if steps else None,
@@ -252,13 +305,27 @@ class Trainer:
         if last or (epoch + 1) % cfg.train.eval_every == 0:
             self.run.watchdog.at("eval")
             parallel.sync_buffers(self.run.model, self.rt)
-            test_loss, test_acc = evaluate(self.run.model, self.run.test_split, self.cfg, self.rt, self.run.augment, self.run.fast.bf16,
-                                          self.run.watchdog.beat)
+            test_loss, test_acc = evaluate(
+                self.run.model,
+                self.run.test_split,
+                self.cfg,
+                self.rt,
+                self.run.augment,
+                self.run.fast.bf16,
+                self.run.watchdog.beat,
+            )
         if not self.done_steps() or st.epoch_step >= self.run.steps_per_epoch:
             st.epoch, st.epoch_step = epoch + 1, 0
         partial = {"resumed_at_epoch_step": self.resumed_at} if self.resumed_at else {}
-        record = {"event": "epoch", "epoch": epoch + 1, "step": st.step, **self.epoch_stats, **partial,
-                  "test_loss": None if test_loss is None else round(test_loss, 5), "test_acc": None if test_acc is None else round(test_acc, 5)}
+        record = {
+            "event": "epoch",
+            "epoch": epoch + 1,
+            "step": st.step,
+            **self.epoch_stats,
+            **partial,
+            "test_loss": None if test_loss is None else round(test_loss, 5),
+            "test_acc": None if test_acc is None else round(test_acc, 5),
+        }
         self.run.metrics.write(record)
         acc = "" if test_acc is None else f" | test acc {100 * test_acc:.2f}%"
         self.run.say.line(f"epoch {epoch + 1}/{cfg.train.epochs} | {self._train_figures(acc)}")
@@ -270,8 +337,13 @@ class Trainer:
         stats = self.epoch_stats
         if not stats["steps"]:  # resumed from a checkpoint of the epoch's last step: only its evaluation was left
             return f"train steps all done before the resume{acc}"
-        part = f" (steps {self.resumed_at + 1}-{self.resumed_at + stats['steps']}, after a resume)" if self.resumed_at else ""
-        return f"train loss {stats['train_loss']:.4f}{part}{acc} | {stats['images_per_s']:,.0f} img/s | {stats['train_seconds']:.1f}s"
+        part = (
+            f" (steps {self.resumed_at + 1}-{self.resumed_at + stats['steps']}, after a resume)"
+            if self.resumed_at
+            else ""
+        )
+        speed = f"{stats['images_per_s']:,.0f} img/s | {stats['train_seconds']:.1f}s"
+        return f"train loss {stats['train_loss']:.4f}{part}{acc} | {speed}"
 
     def reserve(self) -> None:
         """Pinned host buffers for async saves, once the optimizer state exists (after a step):
@@ -296,7 +368,9 @@ class Trainer:
     def profiled(self, summary: dict | None) -> None:
         if summary is not None:
             self.run.metrics.write(summary)
-            self.run.say.line(f"profiled {summary['steps']} steps: {self.run.root}/profile-rank{self.rt.rank}.json and .txt")
+            self.run.say.line(
+                f"profiled {summary['steps']} steps: {self.run.root}/profile-rank{self.rt.rank}.json and .txt"
+            )
 
     def finish(self) -> None:
         self.profiled(self.profiler.close())
@@ -304,7 +378,8 @@ class Trainer:
         self.run.checkpointer.wait()
         barrier(self.rt)
         procs = f"{self.rt.world_size} process{'es' if self.rt.world_size > 1 else ''}"
-        title = f"{self.cfg.model.name} on {self.run.data_plan.source}: {self.rt.strategy}, {procs} on {self.rt.device.type}, batch {self.cfg.train.batch_size}"
+        on = f"{self.rt.strategy}, {procs} on {self.rt.device.type}, batch {self.cfg.train.batch_size}"
+        title = f"{self.cfg.model.name} on {self.run.data_plan.source}: {on}"
         if self.cfg.train.plot and plot_curves(self.run.metrics, self.run.root / "curves.png", title):
             self.run.say.line(f"wrote {self.run.root / 'curves.png'}")
         self.run.say.line(f"done: step {self.state.step}, checkpoints in {self.run.root}")

@@ -31,8 +31,15 @@ def train(cfg: Config, started: float) -> int:
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - a crash: one line here, the traceback in the run folder
-        line = crash.report(e, cfg.checkpoint.root, rt.rank, run.state.step if run else None, hosts, cfg.dist.timeout_s,
-                            run.watchdog.peers if run else None)
+        line = crash.report(
+            e,
+            cfg.checkpoint.root,
+            rt.rank,
+            run.state.step if run else None,
+            hosts,
+            cfg.dist.timeout_s,
+            run.watchdog.peers if run else None,
+        )
         if rt.local_rank == 0 or not crash.LOST.search(str(e)):  # a lost peer: once per node
             say(line)
         code = EXIT_CRASH

@@ -66,9 +66,13 @@ class Startup:
         from torch._dynamo.utils import counters
 
         ind, aot = counters["inductor"], counters["aot_autograd"]
-        return {"inductor_hit": ind["fxgraph_cache_hit"], "inductor_miss": ind["fxgraph_cache_miss"],
-                "aot_autograd_hit": aot["autograd_cache_hit"], "aot_autograd_miss": aot["autograd_cache_miss"],
-                "aot_autograd_bypass": aot["autograd_cache_bypass"]}
+        return {
+            "inductor_hit": ind["fxgraph_cache_hit"],
+            "inductor_miss": ind["fxgraph_cache_miss"],
+            "aot_autograd_hit": aot["autograd_cache_hit"],
+            "aot_autograd_miss": aot["autograd_cache_miss"],
+            "aot_autograd_bypass": aot["autograd_cache_bypass"],
+        }
 
 
 class StepTimer:
@@ -206,11 +210,16 @@ class StepProfiler:
         for a in averages:  # on CUDA a label also has a device-side row, with no host time: keep the larger
             if a.key.startswith("step."):
                 parts[a.key] = max(parts.get(a.key, 0.0), round(a.cpu_time_total / 1e3 / n, 3))
-        return {"event": "profile", "rank": r, "steps": steps, "wall_ms_per_step": round(1e3 * wall / n, 3),
-                "device_busy_ms_per_step": round(busy / 1e3 / n, 3) if self.rt.cuda else None,
-                "kernels_per_step": round(len(kernels) / n, 1),
-                "host_ms_per_step": parts,
-                "host_waits_per_step": {k: round(v / n, 2) for k, v in sorted(waits.items())}}
+        return {
+            "event": "profile",
+            "rank": r,
+            "steps": steps,
+            "wall_ms_per_step": round(1e3 * wall / n, 3),
+            "device_busy_ms_per_step": round(busy / 1e3 / n, 3) if self.rt.cuda else None,
+            "kernels_per_step": round(len(kernels) / n, 1),
+            "host_ms_per_step": parts,
+            "host_waits_per_step": {k: round(v / n, 2) for k, v in sorted(waits.items())},
+        }
 
 
 def medians_of_the_others(values: list[float]) -> dict[int, float]:
@@ -227,11 +236,13 @@ def medians_of_the_others(values: list[float]) -> dict[int, float]:
 
     return {r: without(p) for p, r in enumerate(order)}
 
+
 class Stragglers:
     """Each rank's own time per step (its batch and forward pass: StepTimer.own_ms), gathered every
     log interval, and the rank that is persistently slower than the others: SLOWER x the median
     of the other ranks for PERSIST intervals in a row (of the others: with two ranks the median of
-    all is their mean, and a rank twice as slow as its peer would never pass 1.5x it). A straggler holds every rank back (DDP waits for it in every
+    all is their mean, and a rank twice as slow as its peer would never pass 1.5x it). A straggler holds every rank
+    back (DDP waits for it in every
     gradient all-reduce); naming it points at the node to look at. One wait stays inside the
     figure: with dist.broadcast_buffers (batch norm), each forward starts with rank 0's buffers, so
     a slow rank 0 lengthens the others' forward too (then the line names several ranks, or none)."""
@@ -265,20 +276,29 @@ class Stragglers:
         median = statistics.median(per_rank)
         slowest = max(range(len(per_rank)), key=per_rank.__getitem__)
         others = medians_of_the_others(per_rank)
-        slow = {r for r, ref in others.items() if ref > 0 and per_rank[r] > self.SLOWER * ref and per_rank[r] - ref > self.FLOOR_MS}
+        slow = {
+            r
+            for r, ref in others.items()
+            if ref > 0 and per_rank[r] > self.SLOWER * ref and per_rank[r] - ref > self.FLOOR_MS
+        }
         self.streak = {r: self.streak.get(r, 0) + 1 for r in slow}
         self.since = {r: self.since.get(r, self.last) for r in slow}
         self.last = now
         record = {"own_ms_median": round(median, 3), "own_ms_slowest": per_rank[slowest], "slowest_rank": slowest}
         if len(per_rank) <= 64:
             record["own_ms_per_rank"] = per_rank
-        named = [r for r, n in sorted(self.streak.items()) if n >= self.PERSIST and now - self.since[r] >= self.PERSIST_S]
+        named = [
+            r for r, n in sorted(self.streak.items()) if n >= self.PERSIST and now - self.since[r] >= self.PERSIST_S
+        ]
         if not named:
             return record, ""
         record["stragglers"] = named
         host = lambda r: self.hosts[r][0] if r < len(self.hosts) else "?"  # noqa: E731
-        return record, "straggler: " + ", ".join(f"rank {r} ({host(r)}) {per_rank[r] / others[r]:.1f}x the others' median "
-                                                 f"for {now - self.since[r]:.0f} s ({self.streak[r]} intervals)" for r in named)
+        return record, "straggler: " + ", ".join(
+            f"rank {r} ({host(r)}) {per_rank[r] / others[r]:.1f}x the others' median "
+            f"for {now - self.since[r]:.0f} s ({self.streak[r]} intervals)"
+            for r in named
+        )
 
 
 def duration(seconds: float) -> str:
@@ -293,8 +313,18 @@ class Progress:
         self.enabled = enabled
         self.tty = enabled and sys.stdout.isatty()
 
-    def step(self, epoch: int, epochs: int, step: int, steps: int, loss: float, images_per_s: float, eta_s: float | None = None,
-             stalled_s: float = 0.0, note: str = "") -> None:
+    def step(
+        self,
+        epoch: int,
+        epochs: int,
+        step: int,
+        steps: int,
+        loss: float,
+        images_per_s: float,
+        eta_s: float | None = None,
+        stalled_s: float = 0.0,
+        note: str = "",
+    ) -> None:
         if not self.enabled:
             return
         text = f"epoch {epoch + 1}/{epochs} step {step}/{steps} loss {loss:.4f} {images_per_s:,.0f} img/s"
@@ -325,8 +355,14 @@ class Board:
 
     SCALARS = {  # metrics.jsonl event -> {record key: TensorBoard tag}
         "log": {"loss": "train/loss", "images_per_s": "train/images_per_s", "lr": "train/lr"},
-        "epoch": {"train_loss": "epoch/train_loss", "test_loss": "epoch/test_loss", "test_acc": "epoch/test_acc",
-                  "images_per_s": "epoch/images_per_s", "step_ms_per_step": "epoch/step_ms", "data_ms_per_step": "epoch/data_ms"},
+        "epoch": {
+            "train_loss": "epoch/train_loss",
+            "test_loss": "epoch/test_loss",
+            "test_acc": "epoch/test_acc",
+            "images_per_s": "epoch/images_per_s",
+            "step_ms_per_step": "epoch/step_ms",
+            "data_ms_per_step": "epoch/data_ms",
+        },
     }
 
     def __init__(self, folder: Path, resume_step: int | None):
@@ -336,7 +372,9 @@ class Board:
         except ImportError:  # the optional extra is not installed
             return
         # purge_step drops the earlier attempts' events from that step on: keep the resume step's own
-        self.writer = SummaryWriter(log_dir=str(folder / "tensorboard"), purge_step=resume_step + 1 if resume_step else None, flush_secs=30)
+        self.writer = SummaryWriter(
+            log_dir=str(folder / "tensorboard"), purge_step=resume_step + 1 if resume_step else None, flush_secs=30
+        )
 
     def add(self, record: dict) -> None:
         tags = self.SCALARS.get(record.get("event"))
@@ -398,7 +436,14 @@ def _throughput(ax, steps: list[int], rates: list[float]) -> None:
     does not show); none yet said in words, not as empty axes."""
     ax.set(xlabel="step", ylabel="images/s", title="Throughput (each log window)")
     if not steps:
-        ax.text(0.5, 0.5, "no log window yet\n(one every train.log_every steps)", ha="center", va="center", transform=ax.transAxes)
+        ax.text(
+            0.5,
+            0.5,
+            "no log window yet\n(one every train.log_every steps)",
+            ha="center",
+            va="center",
+            transform=ax.transAxes,
+        )
         ax.set(xticks=[], yticks=[])
         return
     ax.plot(steps, rates, lw=1, color="tab:purple", marker="o" if len(steps) < 5 else None)
@@ -422,7 +467,11 @@ def draw_curves(logs: list[dict], epochs: list[dict], title: str):
     fig, (loss, speed, acc) = plt.subplots(1, 3, figsize=(14, 4))
     steps = sorted(by_step)
     loss.plot(steps, [by_step[k]["loss"] for k in steps], lw=1, label="log line")
-    ends = [(r["step"], r["train_loss"]) for _, r in sorted(by_epoch.items()) if r.get("train_loss") is not None and "step" in r]
+    ends = [
+        (r["step"], r["train_loss"])
+        for _, r in sorted(by_epoch.items())
+        if r.get("train_loss") is not None and "step" in r
+    ]
     if ends:
         loss.plot(*zip(*ends, strict=True), "o", color="tab:red", label="epoch mean")
     loss.set(xlabel="step", ylabel="train loss", title="Training loss")

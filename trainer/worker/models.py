@@ -32,7 +32,9 @@ def build(name: str, num_classes: int = 10, image_size: int = 32) -> nn.Module:
 
     name = name.removeprefix("torchvision.")
     if name in ("googlenet", "inception_v3"):  # one logits tensor out, as every other model gives
-        return torchvision.models.get_model(name, weights=None, num_classes=num_classes, aux_logits=False, init_weights=False)
+        return torchvision.models.get_model(
+            name, weights=None, num_classes=num_classes, aux_logits=False, init_weights=False
+        )
     try:  # the vision transformers size their position embedding by the image: tell them
         return torchvision.models.get_model(name, weights=None, num_classes=num_classes, image_size=image_size)
     except TypeError:  # the convolutional ones take any size and no such argument
@@ -93,9 +95,15 @@ def seednet(num_classes: int = 10) -> nn.Module:
     in the first Linear), 21.35 G multiply-adds per image."""
     return nn.Sequential(
         nn.Sequential(
-            nn.Conv2d(3, 32, 5, 1, 2), nn.Conv2d(32, 64, 5, 1, 2), nn.Conv2d(64, 512, 5, 1, 2), nn.MaxPool2d(2),
-            nn.Conv2d(512, 1024, 5, 1, 2), nn.MaxPool2d(2),
-            nn.Conv2d(1024, 2048, 5, 1, 2), nn.Conv2d(2048, 4096, 5, 1, 2), nn.MaxPool2d(2),
+            nn.Conv2d(3, 32, 5, 1, 2),
+            nn.Conv2d(32, 64, 5, 1, 2),
+            nn.Conv2d(64, 512, 5, 1, 2),
+            nn.MaxPool2d(2),
+            nn.Conv2d(512, 1024, 5, 1, 2),
+            nn.MaxPool2d(2),
+            nn.Conv2d(1024, 2048, 5, 1, 2),
+            nn.Conv2d(2048, 4096, 5, 1, 2),
+            nn.MaxPool2d(2),
         ),
         nn.Sequential(nn.Flatten(), nn.Linear(4096 * 4 * 4, 5000), nn.Linear(5000, 64), nn.Linear(64, num_classes)),
     )
@@ -161,11 +169,18 @@ def resnet18(num_classes: int = 10) -> nn.Module:
 def tinynet(num_classes: int = 10) -> nn.Module:
     """A small CNN without batch norm, so that data-parallel runs equal single-process runs (tests)."""
     return nn.Sequential(
-        nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
         # 8x8 -> 2x2 by a fixed 4x4 average: adaptive pooling has no deterministic CUDA backward
-        nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(), nn.AvgPool2d(4),
-        nn.Flatten(), nn.Linear(128, num_classes),
+        nn.Conv2d(32, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.AvgPool2d(4),
+        nn.Flatten(),
+        nn.Linear(128, num_classes),
     )
 
 
@@ -191,7 +206,9 @@ class _Norm(nn.BatchNorm2d):
 
 class _Block(nn.Sequential):
     def __init__(self, cin: int, cout: int):
-        super().__init__(_Conv(cin, cout), nn.MaxPool2d(2), _Norm(cout), nn.GELU(), _Conv(cout, cout), _Norm(cout), nn.GELU())
+        super().__init__(
+            _Conv(cin, cout), nn.MaxPool2d(2), _Norm(cout), nn.GELU(), _Conv(cout, cout), _Norm(cout), nn.GELU()
+        )
 
 
 class AirNet(nn.Module):

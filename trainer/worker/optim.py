@@ -1,4 +1,5 @@
-"""Optimizer and learning-rate schedule, built from ``cfg.optim`` (Lookahead and fp32 masters: trainer/worker/speed.py)."""
+"""Optimizer and learning-rate schedule, built from ``cfg.optim`` (Lookahead and fp32 masters:
+trainer/worker/speed.py)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,14 @@ def param_groups(model: nn.Module, cfg: Config, head: frozenset[str] | None = No
         if weights:
             groups.append({"params": weights, "lr": o.lr * scale, "weight_decay": o.weight_decay, **tag})
         if others:
-            groups.append({"params": others, "lr": o.lr * o.bias_lr_scale * scale, "weight_decay": o.weight_decay / o.bias_lr_scale, **tag})
+            groups.append(
+                {
+                    "params": others,
+                    "lr": o.lr * o.bias_lr_scale * scale,
+                    "weight_decay": o.weight_decay / o.bias_lr_scale,
+                    **tag,
+                }
+            )
     return groups
 
 
@@ -73,4 +81,6 @@ def build_schedule(optimizer: torch.optim.Optimizer, cfg: Config, total: int, st
     def factor(pretrained: bool):
         return lambda s: 0.0 if pretrained and s < frozen else lr_factor(cfg, s, total, steps_per_epoch)
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, [factor(bool(g.get("pretrained"))) for g in optimizer.param_groups])
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, [factor(bool(g.get("pretrained"))) for g in optimizer.param_groups]
+    )

@@ -33,8 +33,16 @@ class WithLoss(nn.Module):
         return self.criterion(self.model(x), y)
 
 
-def wrap(model: nn.Module, criterion: nn.Module, cfg: Config, rt: Runtime, compile_model: bool, bf16: bool, extras: Extras,
-         mode: str = "default") -> nn.Module:
+def wrap(
+    model: nn.Module,
+    criterion: nn.Module,
+    cfg: Config,
+    rt: Runtime,
+    compile_model: bool,
+    bf16: bool,
+    extras: Extras,
+    mode: str = "default",
+) -> nn.Module:
     """The module that training calls, ``net(images, labels) -> loss``; ``model`` itself stays
     usable for evaluation. The extras' part before the wrap comes first (bf16 weights' masters)."""
     extras.before_wrap(model)
@@ -48,26 +56,43 @@ def wrap(model: nn.Module, criterion: nn.Module, cfg: Config, rt: Runtime, compi
         _shard(model, cfg, bf16)
         return torch.compile(net, mode=mode) if compile_model else net
     if rt.strategy == "ddp":
-        d = cfg.dist
-        ddp = nn.parallel.DistributedDataParallel
-        split = extras.ddp(net, model, rt.world_size if rt.collectives else 1)  # gathered factors; split at buckets?
-        # torch 2.14 (pinned) renamed the per-forward buffer broadcast (the old name warns); torch 2.11 has only the old one
-        sync = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(ddp.__init__).parameters else "broadcast_buffers"
-        net = ddp(
-            net, device_ids=[rt.device.index] if rt.cuda else None, bucket_cap_mb=d.bucket_mb,
-            gradient_as_bucket_view=d.gradient_as_bucket_view, static_graph=d.static_graph, **{sync: d.broadcast_buffers},
-        )
-        if d.comm_hook != "none":
-            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        return _ddp(net, model, cfg, rt, extras, compile_model, mode)
+    return torch.compile(net, mode=mode) if compile_model else net
 
-            hook = default_hooks.bf16_compress_hook if d.comm_hook == "bf16" else default_hooks.fp16_compress_hook
-            net.register_comm_hook(None, hook)
-        # Compile *around* DDP: dynamo then splits the graph at bucket boundaries so gradients are
-        # all-reduced while backward still runs (dist.split_graph_at_buckets). One graph instead
-        # means every gradient arrives (and is sent) only at the end of backward, but half the
-        # graph launches: the better trade for a small model whose step is launch-bound.
-        torch._dynamo.config.optimize_ddp = split
-        return torch.compile(net, mode=mode) if compile_model else net
+
+def _ddp(
+    net: nn.Module, model: nn.Module, cfg: Config, rt: Runtime, extras: Extras, compile_model: bool, mode: str
+) -> nn.Module:
+    """DDP around the model with its loss, compiled around it (see below), with the comm hook and the speed
+    recipes' split asked for."""
+    d = cfg.dist
+    ddp = nn.parallel.DistributedDataParallel
+    split = extras.ddp(net, model, rt.world_size if rt.collectives else 1)  # gathered factors; split at buckets?
+    # torch 2.14 (pinned) renamed the per-forward buffer broadcast (the old name warns);
+    # torch 2.11 has only the old one
+    sync = (
+        "forward_sync_buffers"
+        if "forward_sync_buffers" in inspect.signature(ddp.__init__).parameters
+        else "broadcast_buffers"
+    )
+    net = ddp(
+        net,
+        device_ids=[rt.device.index] if rt.cuda else None,
+        bucket_cap_mb=d.bucket_mb,
+        gradient_as_bucket_view=d.gradient_as_bucket_view,
+        static_graph=d.static_graph,
+        **{sync: d.broadcast_buffers},
+    )
+    if d.comm_hook != "none":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        hook = default_hooks.bf16_compress_hook if d.comm_hook == "bf16" else default_hooks.fp16_compress_hook
+        net.register_comm_hook(None, hook)
+    # Compile *around* DDP: dynamo then splits the graph at bucket boundaries so gradients are
+    # all-reduced while backward still runs (dist.split_graph_at_buckets). One graph instead
+    # means every gradient arrives (and is sent) only at the end of backward, but half the
+    # graph launches: the better trade for a small model whose step is launch-bound.
+    torch._dynamo.config.optimize_ddp = split
     return torch.compile(net, mode=mode) if compile_model else net
 
 

@@ -47,11 +47,16 @@ def find_images(paths: list[str]) -> list[tuple]:
 
             found += [("shard", str(p), s, i) for s in splits for i in range(len(ShardSet(p, s)))]
         elif p.is_dir():
-            found += [("file", str(f)) for f in sorted(p.rglob("*")) if f.suffix.lower() in IMAGE_SUFFIXES and f.is_file()]
+            found += [
+                ("file", str(f)) for f in sorted(p.rglob("*")) if f.suffix.lower() in IMAGE_SUFFIXES and f.is_file()
+            ]
         else:
             found.append(("file", str(p)))
     if not found:
-        raise ConfigError(f"no images ({', '.join(IMAGE_SUFFIXES)}) in {', '.join(paths)}; give image files, folders of them or a shards folder")
+        raise ConfigError(
+            f"no images ({', '.join(IMAGE_SUFFIXES)}) in {', '.join(paths)}; give image files, folders of them or a "
+            f"shards folder"
+        )
     return found
 
 
@@ -89,9 +94,14 @@ class Images(Dataset):
             if self.raw_jpegs and raw.startswith(JPEG):  # the GPU decodes it
                 return torch.frombuffer(bytearray(raw), dtype=torch.uint8), i, name, "raw"
             with Image.open(io.BytesIO(raw)) as im:
-                im.draft("RGB", (self.side, self.side))  # JPEG: decode at the smallest scale that still covers the resize
+                # JPEG: decode at the smallest scale that still covers the resize
+                im.draft("RGB", (self.side, self.side))
                 im = resize_center(to_rgb(im), self.side)
-                x = torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8).view(self.side, self.side, 3).permute(2, 0, 1)
+                x = (
+                    torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8)
+                    .view(self.side, self.side, 3)
+                    .permute(2, 0, 1)
+                )
         except Image.UnidentifiedImageError:
             return None, i, name, "no image format PIL knows"
         except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
@@ -108,11 +118,19 @@ def _batch(items: list) -> tuple:
     decoded = [it for it in items if it[0] is not None and it[3] != "raw"]
     raws = [it for it in items if it[3] == "raw"]
     x = torch.stack([it[0] for it in decoded]) if decoded else None
-    return (x, [it[2] for it in decoded], one_buffer([it[0] for it in raws]), [it[2] for it in raws],
-            [(it[2], it[3]) for it in items if it[0] is None], [it[1] for it in decoded + raws])
+    return (
+        x,
+        [it[2] for it in decoded],
+        one_buffer([it[0] for it in raws]),
+        [it[2] for it in raws],
+        [(it[2], it[3]) for it in items if it[0] is None],
+        [it[1] for it in decoded + raws],
+    )
 
 
-def decode_jpegs(raws: tuple[torch.Tensor, list[int]], size: int, device: torch.device) -> tuple[torch.Tensor | None, list[bool]]:
+def decode_jpegs(
+    raws: tuple[torch.Tensor, list[int]], size: int, device: torch.device
+) -> tuple[torch.Tensor | None, list[bool]]:
     """A batch of JPEGs on the GPU: (float [n, 3, size, size] 0-255 centre crops of those that
     decoded, which did). One nvjpeg call; where one image fails it, each alone finds which."""
     from torchvision.io import ImageReadMode, decode_jpeg
@@ -138,7 +156,15 @@ class Prediction:
     top: list[tuple[str, float]]
 
 
-def predict(model: Trained, refs: list[tuple], top_k: int, batch_size: int, workers: int, say=print, jpegs_on_device: bool | None = None):
+def predict(
+    model: Trained,
+    refs: list[tuple],
+    top_k: int,
+    batch_size: int,
+    workers: int,
+    say=print,
+    jpegs_on_device: bool | None = None,
+):
     """Yields a Prediction per readable image, in order; an unreadable one is said and skipped.
     ``jpegs_on_device``: JPEGs decoded by torchvision on the model's device (default: on a GPU)."""
     cuda = torch.cuda.is_available() and model.session is None
@@ -148,8 +174,14 @@ def predict(model: Trained, refs: list[tuple], top_k: int, batch_size: int, work
         model.module.to(memory_format=torch.channels_last)
     k = min(top_k, len(model.classes))
     raw = cuda if jpegs_on_device is None else jpegs_on_device
-    loader = DataLoader(Images(refs, model.image_size, raw_jpegs=raw), batch_size=batch_size, num_workers=workers, collate_fn=_batch,
-                        pin_memory=cuda, persistent_workers=False)
+    loader = DataLoader(
+        Images(refs, model.image_size, raw_jpegs=raw),
+        batch_size=batch_size,
+        num_workers=workers,
+        collate_fn=_batch,
+        pin_memory=cuda,
+        persistent_workers=False,
+    )
     for decoded, names, raws, raw_names, bad, at in loader:
         parts = [] if decoded is None else [decoded.to(device, non_blocking=True).float()]
         if raw_names:
@@ -194,14 +226,18 @@ class Writer:
         if self.csv is not None:
             self.csv.writerow([p.name] + [v for c, q in p.top for v in (c, f"{q:.6f}")])
         elif self.fh is not None:
-            self.fh.write(json.dumps({"file": p.name, "top": [{"class": c, "prob": round(q, 6)} for c, q in p.top]}) + "\n")
+            self.fh.write(
+                json.dumps({"file": p.name, "top": [{"class": c, "prob": round(q, 6)} for c, q in p.top]}) + "\n"
+            )
 
     def close(self) -> None:
         if self.fh is not None:
             self.fh.close()
 
 
-def run(source: str, images: list[str], top_k: int, out: str | None, batch_size: int, quiet: bool) -> tuple[int, int, Trained]:
+def run(
+    source: str, images: list[str], top_k: int, out: str | None, batch_size: int, quiet: bool
+) -> tuple[int, int, Trained]:
     """(images predicted, images skipped, the model): the table on stdout, lines on stderr."""
     from trainer.worker.trained import open_trained
 

@@ -59,6 +59,9 @@ def preflight(cfg: Config) -> None:
         for split in ("train", "test"):
             data.check_archive(data.find_source(Path(d.dir), split))
     elif d.name == "cifar10" and not d.download and not (Path(d.dir) / "cifar-10-batches-py").is_dir():
-        raise ConfigError(f"CIFAR-10 is not in data.dir={d.dir} and data.download=false; set data.download=true or point data.dir at it")
+        raise ConfigError(
+            f"CIFAR-10 is not in data.dir={d.dir} and data.download=false; set data.download=true or point data.dir "
+            f"at it"
+        )
     files.probe(root, state_bytes(cfg), cfg.checkpoint.keep)
     FolderLock(root).check()  # another live run writes there: exit 2 now, naming it

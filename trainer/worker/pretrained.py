@@ -77,19 +77,25 @@ def resolve(model_name: str, spec: str) -> Weights | None:
     name = model_name.removeprefix("torchvision.")
     if model_name in CIFAR_MODELS:
         also = f", or torchvision.{model_name} (torchvision's, which has)" if name in ("resnet18",) else ""
-        raise ConfigError(f"model.weights={spec}: model.name={model_name} is this project's network and has no published weights; "
-                          f"give a file (a .pth or .safetensors state dict, or a step-N folder){also}")
+        raise ConfigError(
+            f"model.weights={spec}: model.name={model_name} is this project's network and has no published weights; "
+            f"give a file (a .pth or .safetensors state dict, or a step-N folder){also}"
+        )
     import torchvision.models as tvm
 
     enum = tvm.get_model_weights(name)
     names = list(enum.__members__)
     short = spec.split(".")[-1] if spec.startswith(enum.__name__ + ".") else spec
     if short not in enum.__members__:
-        raise ConfigError(f"model.weights={spec} is no weights name of {name}; it has {', '.join(names)} "
-                          "(or give a file: .pth, .safetensors or a step-N folder)")
+        raise ConfigError(
+            f"model.weights={spec} is no weights name of {name}; it has {', '.join(names)} "
+            "(or give a file: .pth, .safetensors or a step-N folder)"
+        )
     w = enum[short]
     t = w.transforms()
-    return Weights(spec, "torchvision", hub_folder() / os.path.basename(w.url), tuple(t.mean), tuple(t.std), w.url, str(w))
+    return Weights(
+        spec, "torchvision", hub_folder() / os.path.basename(w.url), tuple(t.mean), tuple(t.std), w.url, str(w)
+    )
 
 
 def _file(spec: str) -> Weights:
@@ -97,17 +103,24 @@ def _file(spec: str) -> Weights:
 
     path = Path(spec).expanduser()
     if not path.exists():
-        raise ConfigError(f"model.weights={spec} does not exist; give a .pth/.pt/.safetensors file, a step-N folder, "
-                          "or a weights name (`trainer models` lists each model's)")
+        raise ConfigError(
+            f"model.weights={spec} does not exist; give a .pth/.pt/.safetensors file, a step-N folder, "
+            "or a weights name (`trainer models` lists each model's)"
+        )
     if path.is_dir():
         path = files.given(path)
         if not (path / files.META).is_file():
-            raise ConfigError(f"model.weights={spec} is a folder but no checkpoint of this trainer (no {files.META}); "
-                              "give a step-N folder, a run folder or a weights file")
+            raise ConfigError(
+                f"model.weights={spec} is a folder but no checkpoint of this trainer (no {files.META}); "
+                "give a step-N folder, a run folder or a weights file"
+            )
         mean, std = normalization_of(files.read_meta(path))
         return Weights(spec, "checkpoint", path, mean, std, label=str(path))
     if path.suffix not in FILE_SUFFIXES:
-        raise ConfigError(f"model.weights={spec}: a weights file ends in {', '.join(FILE_SUFFIXES)}; give such a file or a step-N folder")
+        raise ConfigError(
+            f"model.weights={spec}: a weights file ends in {', '.join(FILE_SUFFIXES)}; give such a file or a step-N "
+            f"folder"
+        )
     mean, std = IMAGENET_MEAN, IMAGENET_STD
     sidecar = path.with_suffix(".json")
     if path.suffix == ".safetensors" and sidecar.is_file():  # `trainer export --format safetensors` wrote it
@@ -139,8 +152,10 @@ def fetch(w: Weights) -> None:
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ConfigError(f"model.weights={w.spec}: cannot make the weights folder {folder} ({e.strerror}); "
-                          "set TORCH_HOME to a writable folder") from None
+        raise ConfigError(
+            f"model.weights={w.spec}: cannot make the weights folder {folder} ({e.strerror}); "
+            "set TORCH_HOME to a writable folder"
+        ) from None
     with machine_lock(folder, "weights"):
         if w.path.is_file():
             return
@@ -149,8 +164,10 @@ def fetch(w: Weights) -> None:
             torch.hub.download_url_to_file(w.url, str(w.path), prefix.group(1) if prefix else None, progress=False)
         except (OSError, RuntimeError, ValueError) as e:  # no network (URLError is an OSError), or a hash mismatch
             why = one_line(getattr(e, "reason", e), 100)
-            raise ConfigError(f"model.weights={w.spec}: {w.path.name} is not in {folder} and could not be downloaded ({why}); "
-                              f"download {w.url} where there is a network and put it in {folder} (TORCH_HOME moves that folder)") from None
+            raise ConfigError(
+                f"model.weights={w.spec}: {w.path.name} is not in {folder} and could not be downloaded ({why}); "
+                f"download {w.url} where there is a network and put it in {folder} (TORCH_HOME moves that folder)"
+            ) from None
 
 
 def state_dict(w: Weights) -> dict:
@@ -165,21 +182,27 @@ def state_dict(w: Weights) -> dict:
         try:
             from safetensors.torch import load_file
         except ImportError:
-            raise ConfigError(f"model.weights={w.spec} is a safetensors file, which needs the safetensors package; "
-                              "pip install 'cluster-trainer[export]'") from None
+            raise ConfigError(
+                f"model.weights={w.spec} is a safetensors file, which needs the safetensors package; "
+                "pip install 'cluster-trainer[export]'"
+            ) from None
         state = load_file(str(w.path))
     else:
         try:
             state = torch.load(w.path, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 - whatever the file is, it is not a state dict torch reads safely
             why = one_line(e, 100)
-            raise ConfigError(f"model.weights={w.spec} is not a state dict torch can read ({why}); give a .pth of tensors, "
-                              "a safetensors file or a step-N folder") from None
+            raise ConfigError(
+                f"model.weights={w.spec} is not a state dict torch can read ({why}); give a .pth of tensors, "
+                "a safetensors file or a step-N folder"
+            ) from None
         for key in ("state_dict", "model", "model_state_dict"):  # the usual wrappers of training scripts
             if isinstance(state, dict) and isinstance(state.get(key), dict):
                 state = state[key]
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ConfigError(f"model.weights={w.spec} holds no state dict (a mapping of names to tensors); give the weights of a model")
+        raise ConfigError(
+            f"model.weights={w.spec} holds no state dict (a mapping of names to tensors); give the weights of a model"
+        )
     return {re.sub(r"^(module\.|_orig_mod\.)+", "", k): v for k, v in state.items()}
 
 
@@ -201,15 +224,26 @@ def fit(w: Weights, source: dict, target: dict, head: frozenset[str], model_name
     """The tensors of ``source`` to load into a model whose state dict is ``target`` (shapes
     only): all but the head's. ConfigError naming the first keys that do not fit."""
     missing = [k for k in target if k not in head and k not in source]
-    shape = [f"{k} {tuple(source[k].shape)} given, {tuple(target[k].shape)} here" for k in target
-             if k not in head and k in source and tuple(source[k].shape) != tuple(target[k].shape)]
+    shape = [
+        f"{k} {tuple(source[k].shape)} given, {tuple(target[k].shape)} here"
+        for k in target
+        if k not in head and k in source and tuple(source[k].shape) != tuple(target[k].shape)
+    ]
     extra = [k for k in source if k not in target and not AUX.match(k)]
     if missing or shape or extra:
-        what = "; ".join(part for part in (f"shapes differ: {', '.join(shape[:2])}" if shape else "",
-                                            f"missing: {', '.join(missing[:3])}" if missing else "",
-                                            f"not in the model: {', '.join(extra[:3])}" if extra else "") if part)
-        raise ConfigError(f"model.weights={w.spec} does not fit model.name={model_name} beyond its head ({what}); "
-                          f"give weights of {model_name}, or the model.name they were trained as")
+        what = "; ".join(
+            part
+            for part in (
+                f"shapes differ: {', '.join(shape[:2])}" if shape else "",
+                f"missing: {', '.join(missing[:3])}" if missing else "",
+                f"not in the model: {', '.join(extra[:3])}" if extra else "",
+            )
+            if part
+        )
+        raise ConfigError(
+            f"model.weights={w.spec} does not fit model.name={model_name} beyond its head ({what}); "
+            f"give weights of {model_name}, or the model.name they were trained as"
+        )
     return {k: v for k, v in source.items() if k in target and k not in head}
 
 

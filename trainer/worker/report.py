@@ -48,7 +48,10 @@ class Collector:
         p_true = probs.gather(1, y[:, None])[:, 0]
         k = min(WORST, len(y))
         low, at = p_true.topk(k, largest=False)
-        self.worst += [(p, self.start + self.seen + i, int(y[i]), int(pred[i])) for p, i in zip(low.tolist(), at.tolist(), strict=True)]
+        self.worst += [
+            (p, self.start + self.seen + i, int(y[i]), int(pred[i]))
+            for p, i in zip(low.tolist(), at.tolist(), strict=True)
+        ]
         self.worst = sorted(self.worst)[:WORST]
         self.seen += len(y)
 
@@ -71,7 +74,16 @@ class Report:
             recall = (tp[i] / support[i]).item() if support[i] else float("nan")
             precision = (tp[i] / predicted[i]).item() if predicted[i] else float("nan")
             f1 = 2 * precision * recall / (precision + recall) if precision + recall > 0 else 0.0
-            rows.append({"class": name, "images": int(support[i]), "accuracy": recall, "precision": precision, "recall": recall, "f1": f1})
+            rows.append(
+                {
+                    "class": name,
+                    "images": int(support[i]),
+                    "accuracy": recall,
+                    "precision": precision,
+                    "recall": recall,
+                    "f1": f1,
+                }
+            )
         return rows
 
     def pairs(self) -> list[tuple[str, str, int, float]]:
@@ -82,17 +94,27 @@ class Report:
         k = min(PAIRS, int((flat > 0).sum()))
         counts, at = flat.topk(k)
         n = len(self.classes)
-        return [(self.classes[i // n], self.classes[i % n], int(v), int(v) / int(support[i // n])) for v, i in zip(counts.tolist(), at.tolist(), strict=True)]
+        return [
+            (self.classes[i // n], self.classes[i % n], int(v), int(v) / int(support[i // n]))
+            for v, i in zip(counts.tolist(), at.tolist(), strict=True)
+        ]
 
     def table(self) -> str:
         width = max(5, *(len(c) for c in self.classes))
         lines = [f"{'class'.ljust(width)}  images  accuracy (recall)  precision     f1"]
         for r in self.per_class():
-            lines.append(f"{r['class'].ljust(width)}  {r['images']:>6}  {100 * r['accuracy']:>15.2f}%  {100 * r['precision']:>8.2f}%  {r['f1']:.3f}")
+            lines.append(
+                f"{r['class'].ljust(width)}  {r['images']:>6}  {100 * r['accuracy']:>15.2f}%  "
+                f"{100 * r['precision']:>8.2f}%  {r['f1']:.3f}"
+            )
         total = self.confusion.sum().item()
-        lines.append(f"{'all'.ljust(width)}  {total:>6}  {100 * self.confusion.diag().sum().item() / max(1, total):>15.2f}%")
+        lines.append(
+            f"{'all'.ljust(width)}  {total:>6}  {100 * self.confusion.diag().sum().item() / max(1, total):>15.2f}%"
+        )
         if pairs := self.pairs():
-            lines.append("most confused: " + "; ".join(f"{t} -> {p} {n} ({100 * s:.1f}% of {t})" for t, p, n, s in pairs[:5]))
+            lines.append(
+                "most confused: " + "; ".join(f"{t} -> {p} {n} ({100 * s:.1f}% of {t})" for t, p, n, s in pairs[:5])
+            )
         return "\n".join(lines)
 
     def write(self, out: Path) -> list[Path]:
@@ -101,7 +123,9 @@ class Report:
         with written[0].open("w", newline="") as fh:
             w = csv.DictWriter(fh, ["class", "images", "accuracy", "precision", "recall", "f1"])
             w.writeheader()
-            w.writerows({k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()} for r in self.per_class())
+            w.writerows(
+                {k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()} for r in self.per_class()
+            )
         with written[1].open("w", newline="") as fh:
             w = csv.writer(fh)
             w.writerow(["true", "predicted", "images", "share_of_true"])
@@ -110,7 +134,14 @@ class Report:
             w = csv.writer(fh)
             w.writerow(["image", "true", "predicted", "prob_true"])
             for p, i, t, q in self.worst:
-                w.writerow([self.name_of(i) if self.name_of else f"test image {i}", self.classes[t], self.classes[q], round(p, 6)])
+                w.writerow(
+                    [
+                        self.name_of(i) if self.name_of else f"test image {i}",
+                        self.classes[t],
+                        self.classes[q],
+                        round(p, 6),
+                    ]
+                )
         self.picture(written[3])
         return written
 
@@ -136,11 +167,21 @@ class Report:
             for i in range(n):
                 for j in range(n):
                     if rows[i, j] >= 0.005:
-                        ax.text(j, i, f"{100 * rows[i, j]:.0f}", ha="center", va="center", fontsize=8, color="white" if rows[i, j] > 0.5 else "black")
+                        ax.text(
+                            j,
+                            i,
+                            f"{100 * rows[i, j]:.0f}",
+                            ha="center",
+                            va="center",
+                            fontsize=8,
+                            color="white" if rows[i, j] > 0.5 else "black",
+                        )
         ax.set_xlabel("predicted" + (f" (one class name in {every} shown)" if every > 1 else ""))
         ax.set_ylabel("true")
         acc = self.confusion.diag().sum().item() / max(1, self.confusion.sum().item())
-        ax.set_title(f"confusion matrix, rows normalised: {int(self.confusion.sum())} test images, accuracy {100 * acc:.2f}%")
+        ax.set_title(
+            f"confusion matrix, rows normalised: {int(self.confusion.sum())} test images, accuracy {100 * acc:.2f}%"
+        )
         fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label="share of the true class")
         fig.tight_layout()
         fig.savefig(path, dpi=110)

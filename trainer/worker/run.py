@@ -48,7 +48,9 @@ class Fast:
             raise ConfigError(problem)
         compile_model = auto(cfg.model.compile) and rt.strategy != "dp"
         bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and rt.cuda)
-        bf16_weights = cfg.train.param_dtype == "bf16" or (cfg.train.param_dtype == "auto" and bf16 and cfg.bf16_weights_problem(rt.strategy) is None)
+        bf16_weights = cfg.train.param_dtype == "bf16" or (
+            cfg.train.param_dtype == "auto" and bf16 and cfg.bf16_weights_problem(rt.strategy) is None
+        )
         return cls(
             bf16=bf16,
             bf16_weights=bf16_weights,
@@ -123,11 +125,13 @@ def build(cfg: Config, rt: Runtime, started_at: float | None = None) -> Run:
     clock.mark("imports_and_process_group")
     fast, say = Fast.resolve(cfg, rt), Progress(rt.is_main)
     set_numerics(cfg)
-    ckpt = Checkpointer(cfg, rt.is_main, fast.async_save, sharded=rt.strategy == "fsdp" and rt.collectives, say=say.line)
+    sharded = rt.strategy == "fsdp" and rt.collectives
+    ckpt = Checkpointer(cfg, rt.is_main, fast.async_save, sharded=sharded, say=say.line)
     resumed_from = pick_checkpoint(ckpt, rt)
     clock.mark("checkpoint_pick")
     train_split, test_split, steps_per_epoch, plan = load_data(cfg, rt, fast)
-    fast = replace(fast, device_resident=fast.device_resident and not plan.stream)  # streamed: nothing resident (the start line says so)
+    # streamed: nothing resident (the start line says so)
+    fast = replace(fast, device_resident=fast.device_resident and not plan.stream)
     ckpt.classes = train_split.classes
     clock.mark("data")
     weights, augment = start_from(cfg, rt, fast, steps_per_epoch, resumed_from, ckpt)
@@ -135,29 +139,44 @@ def build(cfg: Config, rt: Runtime, started_at: float | None = None) -> Run:
     clock.mark("model")
     cache, cache_key = use_compile_cache(cfg, rt, fast, clock)  # before anything compiles
     extras = Extras(cfg, fast.compile, fast.bf16_weights)  # the speed recipes' pieces: none unless asked for
-    net = parallel.wrap(model, nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing), cfg, rt, fast.compile, fast.bf16, extras,
-                        fast.compile_mode)
+    net = wrap(model, cfg, rt, fast, extras)
     clock.mark("wrap")
+    optimizer, schedule, total = optimize(model, cfg, rt, extras, steps_per_epoch)
+    clock.mark("optimizer")  # the first optimizer imports torch._dynamo (seconds), which compiling needs anyway
+    state = TrainState()
+    parts = {"model": ModelPart(model, cfg.model.name), "optimizer": OptimizerPart(model, optimizer)}
+    ckpt.register(**parts, scheduler=schedule, **extras.parts(), train=state)
+    if resumed_from is not None:
+        ckpt.restore(resumed_from)
+        clock.mark("restore")
+    # one line per concern: the run, its data, its model and optimizer, its checkpoints and records
+    # fmt: off
+    return Run(
+        cfg=cfg, rt=rt, fast=fast, root=ckpt.root, state=state, stop=StopFlag(rt), say=say, startup=clock,
+        train_split=train_split, test_split=test_split, data_plan=plan, steps_per_epoch=steps_per_epoch,
+        total_steps=total, loader=make_loader(cfg, rt, train_split, fast, augment), augment=augment,
+        model=model, net=net, optimizer=optimizer, schedule=schedule, extras=extras,
+        weights=weights.describe() if weights else "", checkpointer=ckpt, resumed_from=resumed_from,
+        compile_cache=cache, compile_key=cache_key, started_at=clock.started_at,
+        metrics=RunLog(ckpt.root, rt, cfg.train.tensorboard, state.step if resumed_from else None),
+        watchdog=Watchdog.of(cfg, rt, ckpt.root),
+    )
+    # fmt: on
+
+
+def wrap(model: nn.Module, cfg: Config, rt: Runtime, fast: Fast, extras: Extras) -> nn.Module:
+    """The model with its loss, wrapped for the strategy (DP, DDP, FSDP) and compiled as the fast path says."""
+    loss = nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing)
+    return parallel.wrap(model, loss, cfg, rt, fast.compile, fast.bf16, extras, fast.compile_mode)
+
+
+def optimize(model: nn.Module, cfg: Config, rt: Runtime, extras: Extras, steps_per_epoch: int) -> tuple[Any, Any, int]:
+    """The optimizer, its learning-rate schedule over the run's steps, and that step count."""
     optimizer = build_optimizer(model, cfg, rt.cuda, sharded=rt.strategy == "fsdp")
     total = step_count(cfg, steps_per_epoch)
     schedule = build_schedule(optimizer, cfg, total, steps_per_epoch)
     extras.after_optimizer(model, optimizer)
-    clock.mark("optimizer")  # the first optimizer imports torch._dynamo (seconds), which compiling needs anyway
-    state = TrainState()
-    ckpt.register(model=ModelPart(model, cfg.model.name), optimizer=OptimizerPart(model, optimizer), scheduler=schedule,
-                  **extras.parts(), train=state)
-    if resumed_from is not None:
-        ckpt.restore(resumed_from)
-        clock.mark("restore")
-    return Run(
-        cfg=cfg, rt=rt, fast=fast, root=ckpt.root, state=state, train_split=train_split, test_split=test_split, data_plan=plan,
-        model=model, net=net, optimizer=optimizer, schedule=schedule, extras=extras,
-        loader=make_loader(cfg, rt, train_split, fast, augment), augment=augment,
-        steps_per_epoch=steps_per_epoch, total_steps=total, stop=StopFlag(rt), checkpointer=ckpt,
-        metrics=RunLog(ckpt.root, rt, cfg.train.tensorboard, state.step if resumed_from else None), say=say,
-        resumed_from=resumed_from, started_at=clock.started_at, compile_cache=cache, compile_key=cache_key, weights=weights.describe() if weights else "",
-        startup=clock, watchdog=Watchdog.of(cfg, rt, ckpt.root),
-    )
+    return optimizer, schedule, total
 
 
 def step_count(cfg: Config, steps_per_epoch: int) -> int:
@@ -208,7 +227,8 @@ def load_data(cfg: Config, rt: Runtime, fast: Fast) -> tuple[Any, Any, int, data
     try:
         gpu = torch.cuda.get_device_properties(rt.device).total_memory if rt.cuda and fast.device_resident else None
         plan = data.plan(cfg, gpu, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        cfg.data.image_size = plan.image_size  # the run's config: the size the model, the data and the checkpoint's record take
+        # the run's config: the size the model, the data and the checkpoint's record take
+        cfg.data.image_size = plan.image_size
         if problem := models.input_problem(cfg.model.name, cfg.data.image_size):
             raise ConfigError(problem)
         root = Path(cfg.data.dir)
@@ -219,14 +239,20 @@ def load_data(cfg: Config, rt: Runtime, fast: Fast) -> tuple[Any, Any, int, data
     train_split, test_split = splits
     steps_per_epoch = len(train_split) // cfg.train.batch_size
     if steps_per_epoch == 0:
-        raise ConfigError(f"train.batch_size={cfg.train.batch_size} is larger than the training set ({len(train_split)} images); use a smaller batch")
+        raise ConfigError(
+            f"train.batch_size={cfg.train.batch_size} is larger than the training set ({len(train_split)} images); "
+            f"use a smaller batch"
+        )
     if fast.device_resident and not plan.stream:
-        test_split = data.Split(test_split.images.to(rt.device), test_split.labels.to(rt.device), test_split.classes, test_split.paths)
+        test_split = data.Split(
+            test_split.images.to(rt.device), test_split.labels.to(rt.device), test_split.classes, test_split.paths
+        )
     return train_split, test_split, steps_per_epoch, plan
 
 
-def start_from(cfg: Config, rt: Runtime, fast: Fast, steps_per_epoch: int, resumed_from: Path | None,
-               ckpt: Checkpointer) -> tuple[pretrained.Weights | None, Augment]:
+def start_from(
+    cfg: Config, rt: Runtime, fast: Fast, steps_per_epoch: int, resumed_from: Path | None, ckpt: Checkpointer
+) -> tuple[pretrained.Weights | None, Augment]:
     """The pretrained weights of a fresh run (if any) and the augmentation, which normalises the
     images by a resumed run's own mean and std (its checkpoint says), else the weights', else the
     image size's; the checkpointer saves them with every checkpoint."""
@@ -244,8 +270,15 @@ def start_from(cfg: Config, rt: Runtime, fast: Fast, steps_per_epoch: int, resum
     return weights, Augment(cfg, rt, fast.channels_last, rt.per_rank_batch(cfg.train.batch_size), steps_per_epoch, norm)
 
 
-def build_model(cfg: Config, rt: Runtime, fast: Fast, augment: Augment, train_split: data.Split, fresh: bool = True,
-                weights: pretrained.Weights | None = None) -> nn.Module:
+def build_model(
+    cfg: Config,
+    rt: Runtime,
+    fast: Fast,
+    augment: Augment,
+    train_split: data.Split,
+    fresh: bool = True,
+    weights: pretrained.Weights | None = None,
+) -> nn.Module:
     """The model, initialised on its device (seconds less for seednet's 604 M weights on a GPU) and
     in its memory format; the same initial weights on every rank (a pretrained start's, every tensor
     but the new head's). A checkpoint's weights replace them later, in place."""
@@ -259,7 +292,11 @@ def build_model(cfg: Config, rt: Runtime, fast: Fast, augment: Augment, train_sp
     # laptop's CPU) only for a fresh run: a resumed one's checkpoint overwrites them. It draws no
     # random numbers, so skipping it moves nothing else.
     if hasattr(model, "init_from_data") and fresh:
-        images = train_split.images[:5000] if train_split.images is not None else train_split.sample(1024, cfg.data.image_size)
+        images = (
+            train_split.images[:5000]
+            if train_split.images is not None
+            else train_split.sample(1024, cfg.data.image_size)
+        )
         model.init_from_data(augment.eval(images.to(rt.device)).cpu())
     model.to(rt.device)
     if fast.channels_last and rt.strategy != "fsdp":

@@ -76,8 +76,10 @@ def resolve(cfg: Config) -> Runtime:
         strategy = "ddp" if in_group else ("single" if has_cuda else "cpu")
     if strategy in ("cpu", "single", "dp"):
         if in_group and int(os.environ["WORLD_SIZE"]) > 1:
-            raise ConfigError(f"train.strategy={strategy} runs one process but torchrun started {os.environ['WORLD_SIZE']}; "
-                              "use train.strategy=ddp (or auto) under torchrun")
+            raise ConfigError(
+                f"train.strategy={strategy} runs one process but torchrun started {os.environ['WORLD_SIZE']}; "
+                "use train.strategy=ddp (or auto) under torchrun"
+            )
         if problem := cfg.combination_problem(strategy, has_cuda):
             raise ConfigError(problem)
         device = torch.device("cpu") if strategy == "cpu" else torch.device("cuda", 0)
@@ -85,15 +87,19 @@ def resolve(cfg: Config) -> Runtime:
 
     # ddp / fsdp
     if not in_group:
-        raise ConfigError(f"train.strategy={strategy} needs the environment torchrun sets; launch with "
-                          "`torchrun --nproc-per-node N -m trainer train ...` (or use train.strategy=auto)")
+        raise ConfigError(
+            f"train.strategy={strategy} needs the environment torchrun sets; launch with "
+            "`torchrun --nproc-per-node N -m trainer train ...` (or use train.strategy=auto)"
+        )
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = has_cuda if cfg.train.device == "auto" else cfg.train.device == "cuda"
     if use_cuda:
         if local_rank >= torch.cuda.device_count():
-            raise ConfigError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPU(s) are visible; "
-                              f"start at most {torch.cuda.device_count()} processes per node (--nproc-per-node)")
+            raise ConfigError(
+                f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPU(s) are visible; "
+                f"start at most {torch.cuda.device_count()} processes per node (--nproc-per-node)"
+            )
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")

@@ -35,10 +35,13 @@ class Extras:
         alone); returns whether compiled graphs split at DDP's buckets."""
         d = self.cfg.dist
         if d.gather_linear_factors is not False and world_size > 1:
-            gathered = gather_linear_factors(model, self.cfg.train.batch_size, world_size, force=bool(d.gather_linear_factors))
+            gathered = gather_linear_factors(
+                model, self.cfg.train.batch_size, world_size, force=bool(d.gather_linear_factors)
+            )
             # their gradients arrive already summed over the ranks
             nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-                net, [f"model.{n}.{k}" for n in gathered for k in ("weight", "bias")])
+                net, [f"model.{n}.{k}" for n in gathered for k in ("weight", "bias")]
+            )
         return split_at_buckets(model, d.split_graph_at_buckets, d.bucket_mb, world_size)
 
     def after_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -105,8 +108,16 @@ class Lookahead:
             slow.copy_(fast)
 
 
-def _sgd_on_masters(masters: list, weights: list, grads: list, buffers: list, lr: torch.Tensor, momentum: float, weight_decay: float,
-                    nesterov: bool) -> None:
+def _sgd_on_masters(
+    masters: list,
+    weights: list,
+    grads: list,
+    buffers: list,
+    lr: torch.Tensor,
+    momentum: float,
+    weight_decay: float,
+    nesterov: bool,
+) -> None:
     """torch.optim.SGD's update (dampening 0) of fp32 master weights from bf16 gradients, then the
     bf16 working copies. Compiled, each tensor's update is one kernel that reads the master, the
     gradient (and the momentum) once and writes the master and its copy: 12 bytes a weight without
@@ -132,7 +143,9 @@ class MasterWeights:
     optimizer's own step skips them and updates only the rest."""
 
     def __init__(self, model: nn.Module, compiled: bool):
-        self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.ndim > 1 and p.dtype == torch.float32]
+        self.named = [
+            (n, p) for n, p in model.named_parameters() if p.requires_grad and p.ndim > 1 and p.dtype == torch.float32
+        ]
         with torch.no_grad():
             self.masters = {n: p.detach().clone() for n, p in self.named}  # keeps the memory format
             for _, p in self.named:
@@ -205,9 +218,13 @@ class MasterWeights:
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         for masters, weights, grads, buffers, lr, group in self._groups(optimizer):
             if any(g is None for g in grads):
-                raise RuntimeError("a bf16 weight got no gradient this step; train.param_dtype=bf16 needs every weight used")
+                raise RuntimeError(
+                    "a bf16 weight got no gradient this step; train.param_dtype=bf16 needs every weight used"
+                )
             lr.fill_(group["lr"])  # a device scalar: the schedule changes it without recompiling
-            self._update(masters, weights, grads, buffers, lr, group["momentum"], group["weight_decay"], group["nesterov"])
+            self._update(
+                masters, weights, grads, buffers, lr, group["momentum"], group["weight_decay"], group["nesterov"]
+            )
             for w in weights:
                 w.grad = None  # the optimizer's own step skips them
 
@@ -215,7 +232,9 @@ class MasterWeights:
     def warm_up(self, optimizer: torch.optim.Optimizer) -> None:
         """Compile the update before the clock starts, on scratch copies (the real state stays)."""
         for masters, weights, grads, buffers, lr, group in self._groups(optimizer, scratch=True):
-            self._update(masters, weights, grads, buffers, lr, group["momentum"], group["weight_decay"], group["nesterov"])
+            self._update(
+                masters, weights, grads, buffers, lr, group["momentum"], group["weight_decay"], group["nesterov"]
+            )
 
 
 class _LinearWithGatheredFactors(torch.autograd.Function):
@@ -271,7 +290,9 @@ def gather_linear_factors(model: nn.Module, global_batch: int, world: int, force
     global _outside_graphs
     names = []
     for name, m in model.named_modules():
-        if type(m) is nn.Linear and (force or m.in_features * m.out_features >= FACTOR_RATIO * (m.in_features + m.out_features) * global_batch):
+        if type(m) is nn.Linear and (
+            force or m.in_features * m.out_features >= FACTOR_RATIO * (m.in_features + m.out_features) * global_batch
+        ):
             m.__class__, m.world = GatheredFactorsLinear, world
             names.append(name)
     if names and not _outside_graphs:

@@ -40,7 +40,9 @@ class StopFlag:
         if rt.collectives:
             self._flag = torch.zeros(1, dtype=torch.int32, device=rt.device)
         if self.lag:  # a ring of pinned results and their events, reused every lag+1 steps
-            self._ring = [(torch.zeros(1, dtype=torch.int32, pin_memory=True), torch.cuda.Event()) for _ in range(lag + 1)]
+            self._ring = [
+                (torch.zeros(1, dtype=torch.int32, pin_memory=True), torch.cuda.Event()) for _ in range(lag + 1)
+            ]
             self._next = 0
 
     def _on_signal(self, signum, frame) -> None:
@@ -51,7 +53,11 @@ class StopFlag:
         # at once, not when the step ends; under the supervisor it says so itself, and a signal it
         # did not pass on is torchrun re-forming the group, which it reports in its own words
         if first and self.rt.is_main and not supervised():
-            print(f"{self.signal_name} received: stopping after the current step and saving a checkpoint (Ctrl-C again stops at once)", flush=True)
+            print(
+                f"{self.signal_name} received: stopping after the current step and saving a checkpoint (Ctrl-C again "
+                f"stops at once)",
+                flush=True,
+            )
 
     @property
     def raised(self) -> bool:

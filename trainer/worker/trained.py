@@ -47,9 +47,14 @@ class Trained:
     def about(self) -> dict:
         """What a server needs to feed the model, as every export stores it."""
         size, store = self.image_size, data.store_size(self.image_size)
-        tv = None if self.name in models.REGISTRY else self.name.removeprefix("torchvision.")  # this project's own: no torchvision name
+        # this project's own: no torchvision name
+        tv = None if self.name in models.REGISTRY else self.name.removeprefix("torchvision.")
         return {
-            "model": self.name, "classes": self.classes, "image_size": size, "mean": list(self.mean), "std": list(self.std),
+            "model": self.name,
+            "classes": self.classes,
+            "image_size": size,
+            "mean": list(self.mean),
+            "std": list(self.std),
             "input": f"float32 [N, 3, {size}, {size}] RGB in [0, 1], then (x - mean) / std per channel",
             "resize": f"shorter side to {store} px (bilinear), then the centre {size} x {size}",
             "torchvision": {"name": tv, "kwargs": build_kwargs(tv, size)} if tv else None,
@@ -88,7 +93,10 @@ def open_trained(source: str) -> Trained:
     """The model at ``source`` on the CPU, in eval mode. ConfigError (exit 2) for anything else."""
     path = Path(source)
     if not path.exists():
-        raise ConfigError(f"{source} does not exist; give a step-N folder, a run folder or a file of trainer export ({', '.join(EXPORTS)})")
+        raise ConfigError(
+            f"{source} does not exist; give a step-N folder, a run folder or a file of trainer export "
+            f"({', '.join(EXPORTS)})"
+        )
     if path.is_dir():
         return _checkpoint(path)
     if path.suffix == ".pt2":
@@ -97,8 +105,11 @@ def open_trained(source: str) -> Trained:
         return _onnx(path)
     if path.suffix == ".safetensors":
         return _safetensors(path)
-    raise ConfigError(f"{source} is not a checkpoint or an exported model; give a step-N folder, a run folder or a file of trainer export "
-                      f"({', '.join(EXPORTS)})")
+    raise ConfigError(
+        f"{source} is not a checkpoint or an exported model; give a step-N folder, a run folder or a file of trainer "
+        f"export "
+        f"({', '.join(EXPORTS)})"
+    )
 
 
 def _checkpoint(path: Path) -> Trained:
@@ -107,7 +118,10 @@ def _checkpoint(path: Path) -> Trained:
 
     path = files.given(path)
     if not (path / files.META).is_file():
-        raise ConfigError(f"{path} is not a checkpoint and holds none (no {files.META}); give a step-N folder or the run folder of trainer train")
+        raise ConfigError(
+            f"{path} is not a checkpoint and holds none (no {files.META}); give a step-N folder or the run folder of "
+            f"trainer train"
+        )
     folder, about, _ = store.open_checkpoint(path, verify=True)
     config = about.get("config") or {}
     size = (config.get("data") or {}).get("image_size") or 32
@@ -119,14 +133,24 @@ def _checkpoint(path: Path) -> Trained:
 
 
 def _from_about(about: dict, path: Path, **kw) -> Trained:
-    return Trained(about["model"], list(about["classes"]), int(about["image_size"]), tuple(about["mean"]), tuple(about["std"]), path, **kw)
+    return Trained(
+        about["model"],
+        list(about["classes"]),
+        int(about["image_size"]),
+        tuple(about["mean"]),
+        tuple(about["std"]),
+        path,
+        **kw,
+    )
 
 
 def _pt2(path: Path) -> Trained:
     extra = {f"{META_KEY}.json": ""}
     program = torch.export.load(str(path), extra_files=extra)
     if not extra[f"{META_KEY}.json"]:
-        raise ConfigError(f"{path} was not written by trainer export (no {META_KEY}.json inside); export it with trainer export")
+        raise ConfigError(
+            f"{path} was not written by trainer export (no {META_KEY}.json inside); export it with trainer export"
+        )
     return _from_about(json.loads(extra[f"{META_KEY}.json"]), path, module=program.module())
 
 
@@ -135,7 +159,9 @@ def _onnx(path: Path) -> Trained:
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     meta = session.get_modelmeta().custom_metadata_map
     if META_KEY not in meta:
-        raise ConfigError(f"{path} was not written by trainer export (no '{META_KEY}' metadata); export it with trainer export")
+        raise ConfigError(
+            f"{path} was not written by trainer export (no '{META_KEY}' metadata); export it with trainer export"
+        )
     return _from_about(json.loads(meta[META_KEY]), path, session=session)
 
 
@@ -143,7 +169,9 @@ def _safetensors(path: Path) -> Trained:
     load_file = needs("safetensors.torch", "a safetensors file").load_file
     sidecar = path.with_suffix(".json")
     if not sidecar.is_file():
-        raise ConfigError(f"{path} has no {sidecar.name} beside it (trainer export writes both); give both files, or a checkpoint")
+        raise ConfigError(
+            f"{path} has no {sidecar.name} beside it (trainer export writes both); give both files, or a checkpoint"
+        )
     about = json.loads(sidecar.read_text())
     model = models.build(about["model"], len(about["classes"]), int(about["image_size"]))
     model.load_state_dict(load_file(str(path)))
@@ -157,4 +185,7 @@ def needs(package: str, what: str):
     try:
         return importlib.import_module(package)
     except ImportError:
-        raise ConfigError(f"{what} needs the {package.split('.')[0]} package, which is not installed; pip install 'cluster-trainer[export]'") from None
+        raise ConfigError(
+            f"{what} needs the {package.split('.')[0]} package, which is not installed; pip install "
+            f"'cluster-trainer[export]'"
+        ) from None

@@ -77,7 +77,9 @@ class Watchdog:
     KINDS = ("step", "save", "eval")
     """What a beat ends: its pauses are compared with the recent pauses of the same kind."""
 
-    def __init__(self, bound_s: float, root: Path, rank: int, timeout_s: float = 0.0, world_size: int = 1, group: str = ""):
+    def __init__(
+        self, bound_s: float, root: Path, rank: int, timeout_s: float = 0.0, world_size: int = 1, group: str = ""
+    ):
         self.bound_s, self.root, self.rank = float(bound_s), Path(root), rank
         # with other ranks, below their collective timeout (a process alone has none)
         self.ceiling_s = CEILING * timeout_s if timeout_s and world_size > 1 else float("inf")
@@ -104,7 +106,9 @@ class Watchdog:
     @classmethod
     def of(cls, cfg, rt, root: Path) -> Watchdog:
         """The watchdog of a run of ``cfg`` on runtime ``rt`` (its peers: the other ranks of its group)."""
-        return cls(cfg.dist.hang_timeout_s, root, rt.rank, cfg.dist.timeout_s, rt.world_size if rt.collectives else 1, rt.group)
+        return cls(
+            cfg.dist.hang_timeout_s, root, rt.rank, cfg.dist.timeout_s, rt.world_size if rt.collectives else 1, rt.group
+        )
 
     @property
     def enabled(self) -> bool:
@@ -195,8 +199,17 @@ class Watchdog:
             return
         try:
             with replacing(self._heartbeat) as tmp:
-                tmp.write_text(json.dumps({"pid": os.getpid(), "rank": self.rank, "step": self.step, "bound_s": bound,
-                                           "hang_file": str(self.hang_file)}))
+                tmp.write_text(
+                    json.dumps(
+                        {
+                            "pid": os.getpid(),
+                            "rank": self.rank,
+                            "step": self.step,
+                            "bound_s": bound,
+                            "hang_file": str(self.hang_file),
+                        }
+                    )
+                )
         except OSError:
             pass
 
@@ -215,18 +228,25 @@ class Watchdog:
         where, whom = self.hang_file, self.culprit()
         try:
             with open(where, "a") as f:
-                f.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} rank {self.rank} ({socket.gethostname()}) pid {os.getpid()}: "
-                        f"no progress for {idle:.0f} s after step {self.step} in phase {self.phase} (bound {bound:.0f} s){whom}; "
-                        "Python stacks of every thread:\n")
+                f.write(
+                    f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} rank {self.rank} ({socket.gethostname()}) pid "
+                    f"{os.getpid()}: "
+                    f"no progress for {idle:.0f} s after step {self.step} in phase {self.phase} (bound {bound:.0f} "
+                    f"s){whom}; "
+                    "Python stacks of every thread:\n"
+                )
                 f.flush()
                 faulthandler.dump_traceback(f, all_threads=True)
         except OSError:
             where = "stderr (the run folder is not writable)"
             faulthandler.dump_traceback(sys.stderr, all_threads=True)
-        line = (f"rank {self.rank} ({socket.gethostname()}): no training progress for {idle:.0f} s after step {self.step} "
-                f"(dist.hang_timeout_s, bound {bound:.0f} s){whom}; stacks in {where}{flight_record(self.root, self.rank, dump=True)}; "
-                f"exiting {EXIT_HUNG} so that the launcher "
-                "restarts from the newest checkpoint")
+        line = (
+            f"rank {self.rank} ({socket.gethostname()}): no training progress for {idle:.0f} s after step {self.step} "
+            f"(dist.hang_timeout_s, bound {bound:.0f} s){whom}; stacks in "
+            f"{where}{flight_record(self.root, self.rank, dump=True)}; "
+            f"exiting {EXIT_HUNG} so that the launcher "
+            "restarts from the newest checkpoint"
+        )
         say(line)
         record_exit(EXIT_HUNG, line)  # for the supervisor: where the job was when a node is not back
         os._exit(EXIT_HUNG)  # the main thread is stuck: no cleanup can be trusted to finish
@@ -287,10 +307,17 @@ class Peers:
         if self._store is None:
             import torch.distributed as dist
 
-            socket.create_connection((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])), timeout=STORE_TIMEOUT_S).close()
+            socket.create_connection(
+                (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])), timeout=STORE_TIMEOUT_S
+            ).close()
 
-            self._store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                                        timeout=timedelta(seconds=STORE_TIMEOUT_S), wait_for_workers=False)
+            self._store = dist.TCPStore(
+                os.environ["MASTER_ADDR"],
+                int(os.environ["MASTER_PORT"]),
+                is_master=False,
+                timeout=timedelta(seconds=STORE_TIMEOUT_S),
+                wait_for_workers=False,
+            )
         return self._store
 
     def follow(self, dog: Watchdog) -> None:
@@ -336,7 +363,11 @@ class Peers:
         try:
             store, deadline = self._connect(), time.monotonic() + wait_s
             while True:
-                silent = [r for r in range(self.world_size) if r != self.rank and not store.check([f"{self._prefix}/failed/{r}"])]
+                silent = [
+                    r
+                    for r in range(self.world_size)
+                    if r != self.rank and not store.check([f"{self._prefix}/failed/{r}"])
+                ]
                 if not silent or time.monotonic() >= deadline:
                     return [(r, host(r)) for r in silent] or None
                 time.sleep(0.2)
@@ -365,35 +396,56 @@ class Peers:
         except Exception as e:  # noqa: BLE001
             self.unreachable, self._store = f"{type(e).__name__}", None
 
+    def _store_untold(self) -> str | None:
+        """The clause when the store has told nothing of the others ('' before this rank looked), else None."""
+        if self.unreachable:
+            return (
+                f"; the job's store at {os.environ.get('MASTER_ADDR')} (rank 0's host) does not answer: "
+                "rank 0 or its host is stopped, lost or cut off"
+            )
+        if self._since is None:
+            return ""
+        if not self._read:  # its first read has not come back: nothing is known of any rank
+            return (
+                f"; the job's store at {os.environ.get('MASTER_ADDR')} (rank 0's host) has not answered for "
+                f"{time.monotonic() - self._since:.0f} s: rank 0 or its host may be stopped, lost or cut off"
+            )
+        return None
+
     def culprit(self, step: int) -> str:
         """'' or a clause: the ranks that stopped, or were blocked, while this one waited (from what
         the following thread has seen so far: no store call here)."""
         now, seen = time.monotonic(), dict(self._seen)
-        if self.unreachable:
-            return (f"; the job's store at {os.environ.get('MASTER_ADDR')} (rank 0's host) does not answer: "
-                    "rank 0 or its host is stopped, lost or cut off")
-        if self._since is None:
-            return ""
-        if not self._read:  # its first read has not come back: nothing is known of any rank
-            return (f"; the job's store at {os.environ.get('MASTER_ADDR')} (rank 0's host) has not answered for "
-                    f"{time.monotonic() - self._since:.0f} s: rank 0 or its host may be stopped, lost or cut off")
+        if (untold := self._store_untold()) is not None:
+            return untold
         # how long it has not run: since its last record was written (its host's clock, which the
         # cluster keeps in step), not since this rank began to look, a third of the bound late
-        silent = {r: max(now - t, time.time() - rec.get("time", time.time())) for r, (_, t, rec) in seen.items() if now - t > 2 * PUBLISH_S + TICK_S}
+        silent = {
+            r: max(now - t, time.time() - rec.get("time", time.time()))
+            for r, (_, t, rec) in seen.items()
+            if now - t > 2 * PUBLISH_S + TICK_S
+        }
         if silent:
             return "; waiting for " + ", ".join(
-                f"rank {r} ({seen[r][2]['host']}), whose process has not run for {s:.0f} s (stopped, frozen, or its host lost)"
-                for r, s in sorted(silent.items()))
+                f"rank {r} ({seen[r][2]['host']}), whose process has not run for {s:.0f} s (stopped, frozen, or its "
+                f"host lost)"
+                for r, s in sorted(silent.items())
+            )
         missing = [r for r in range(self.world_size) if r != self.rank and r not in seen]
         if missing:
-            return (f"; waiting for rank(s) {', '.join(map(str, missing))}, which never reported after the group formed "
-                    "(stopped, frozen, or its host lost)")
+            return (
+                f"; waiting for rank(s) {', '.join(map(str, missing))}, which never reported after the group formed "
+                "(stopped, frozen, or its host lost)"
+            )
         reading = [r for r, (_, _, rec) in seen.items() if rec["phase"] == "data"]
         if reading:
-            return "; waiting for " + ", ".join(f"rank {r} ({seen[r][2]['host']}), blocked in its data read at step {seen[r][2]['step']}"
-                                                for r in sorted(reading))
+            return "; waiting for " + ", ".join(
+                f"rank {r} ({seen[r][2]['host']}), blocked in its data read at step {seen[r][2]['step']}"
+                for r in sorted(reading)
+            )
         behind = [r for r, (_, _, rec) in seen.items() if rec["step"] < step]
         if behind:
-            return "; waiting for " + ", ".join(f"rank {r} ({seen[r][2]['host']}), still at step {seen[r][2]['step']}"
-                                                for r in sorted(behind))
+            return "; waiting for " + ", ".join(
+                f"rank {r} ({seen[r][2]['host']}), still at step {seen[r][2]['step']}" for r in sorted(behind)
+            )
         return f"; every rank is alive and waits at step {step} (a deadlock, or a link between hosts is down)"

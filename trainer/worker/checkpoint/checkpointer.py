@@ -54,7 +54,8 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
-    # -- claiming the folder, picking the checkpoint (rank 0) -------------------------------------------------------------------
+    # -- claiming the folder, picking the checkpoint (rank 0)
+    # -------------------------------------------------------------------
     def claim_and_pick(self) -> Path | None:
         """Rank 0, before anything is written: the folder is writable and has room, this process
         holds it alone, leftovers are cleaned; returns the checkpoint to resume from (or None)."""
@@ -98,8 +99,15 @@ class Checkpointer:
 
     def _state(self) -> tuple[dict, dict]:
         tensors, rest = store.split({k: p.state_dict() for k, p in self.parts.items()})
-        about = {"model": self.cfg.model.name, "classes": self.classes, "normalize": self.normalize, "batch_size": self.cfg.train.batch_size,
-                 "epoch": rest.get("train", {}).get("epoch"), "config": to_dict(self.cfg), "state": rest}
+        about = {
+            "model": self.cfg.model.name,
+            "classes": self.classes,
+            "normalize": self.normalize,
+            "batch_size": self.cfg.train.batch_size,
+            "epoch": rest.get("train", {}).get("epoch"),
+            "config": to_dict(self.cfg),
+            "state": rest,
+        }
         return tensors, about
 
     def _stage(self, tensors: dict) -> dict:
@@ -131,7 +139,9 @@ class Checkpointer:
 
             def run():
                 try:
-                    store.write(staged, self.root, step, keep, about, writer=self.is_main, group=self.group, say=self.say)
+                    store.write(
+                        staged, self.root, step, keep, about, writer=self.is_main, group=self.group, say=self.say
+                    )
                 except BaseException as e:  # noqa: BLE001 - re-raised in wait()
                     self._error = e
 

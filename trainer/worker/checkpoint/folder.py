@@ -95,12 +95,19 @@ def quarantine(folder: Path) -> Path:
 
 def prune_set_aside(root: Path, keep: int = KEEP_SET_ASIDE, say=print) -> list[Path]:
     """Delete all but the newest ``keep`` quarantined or replaced folders (by modification time)."""
-    aside = sorted((p for p in root.iterdir() if SET_ASIDE.match(p.name) and p.is_dir()), key=lambda p: p.stat().st_mtime) if root.is_dir() else []
+    aside = (
+        sorted((p for p in root.iterdir() if SET_ASIDE.match(p.name) and p.is_dir()), key=lambda p: p.stat().st_mtime)
+        if root.is_dir()
+        else []
+    )
     gone = aside[:-keep] if keep else aside
     for p in gone:
         shutil.rmtree(p, ignore_errors=True)
     if gone:
-        say(f"warning: deleted {len(gone)} set-aside checkpoint folder(s) ({', '.join(p.name for p in gone)}); the newest {keep} are kept for inspection")
+        say(
+            f"warning: deleted {len(gone)} set-aside checkpoint folder(s) ({', '.join(p.name for p in gone)}); the "
+            f"newest {keep} are kept for inspection"
+        )
     return gone
 
 
@@ -124,28 +131,41 @@ def explicit_resume(root: Path, resume: str) -> Path | None:
     if resume == "never":
         existing = complete(root)
         if existing:
-            raise CheckpointError(f"checkpoint.dir={root} already holds checkpoints (newest {existing[-1][1].name}); use checkpoint.resume=auto to continue them, or another checkpoint.dir")
+            raise CheckpointError(
+                f"checkpoint.dir={root} already holds checkpoints (newest {existing[-1][1].name}); use "
+                f"checkpoint.resume=auto to continue them, or another checkpoint.dir"
+            )
         return None
     if resume == "auto":
         return None
     path = Path(resume)
     if not path.exists():
-        raise CheckpointError(f"checkpoint.resume={resume} does not exist; pass a step-N folder, or checkpoint.resume=auto")
+        raise CheckpointError(
+            f"checkpoint.resume={resume} does not exist; pass a step-N folder, or checkpoint.resume=auto"
+        )
     return path
 
 
 def check_model(saved: str | None, wanted: str, where: Path) -> None:
     if saved != wanted:
-        raise CheckpointError(f"checkpoint {where} holds model {saved!r} but model.name={wanted}; set model.name={saved} or use another checkpoint.dir")
+        raise CheckpointError(
+            f"checkpoint {where} holds model {saved!r} but model.name={wanted}; set model.name={saved} or use another "
+            f"checkpoint.dir"
+        )
 
 
 def check_classes(saved: list[str] | None, data: list[str] | None, where: Path) -> None:
     """A checkpoint's head has one output per class of the data it was trained on, in order."""
     if saved is None or data is None or list(saved) == list(data):
         return
-    first = next((f"{a!r} is {b!r} here" for a, b in zip(saved, data, strict=False) if a != b), f"{len(saved)} classes, {len(data)} here")
-    raise CheckpointError(f"checkpoint {where} was trained on other classes ({first}); point data.dir at the data it was trained on, "
-                          f"or start a new run in another checkpoint.dir")
+    first = next(
+        (f"{a!r} is {b!r} here" for a, b in zip(saved, data, strict=False) if a != b),
+        f"{len(saved)} classes, {len(data)} here",
+    )
+    raise CheckpointError(
+        f"checkpoint {where} was trained on other classes ({first}); point data.dir at the data it was trained on, "
+        f"or start a new run in another checkpoint.dir"
+    )
 
 
 def check_global_batch(saved: int | None, wanted: int, where: Path) -> None:
@@ -153,9 +173,11 @@ def check_global_batch(saved: int | None, wanted: int, where: Path) -> None:
     schedule's progress): resumed with another, the run would skip or repeat images of the epoch
     and take its learning rate past the schedule's end."""
     if saved is not None and saved != wanted:
-        raise CheckpointError(f"checkpoint {where} was saved with train.batch_size={saved} but this run has train.batch_size={wanted}; "
-                              f"its step, place in the epoch and learning-rate schedule count batches of {saved}: resume with "
-                              f"train.batch_size={saved} (on any number of processes that divides it) or use another checkpoint.dir")
+        raise CheckpointError(
+            f"checkpoint {where} was saved with train.batch_size={saved} but this run has train.batch_size={wanted}; "
+            f"its step, place in the epoch and learning-rate schedule count batches of {saved}: resume with "
+            f"train.batch_size={saved} (on any number of processes that divides it) or use another checkpoint.dir"
+        )
 
 
 def temporary(root: Path, step: int) -> Path:
@@ -179,7 +201,11 @@ def _fsync(path: Path) -> None:
 def commit(tmp: Path, root: Path, step: int, keep: int, meta: dict, say=print) -> Path:
     """Publish the written folder ``tmp`` as ``root/step-N``: every file's size and part digests
     into meta.json (fsynced with the folder), the rename, then keep the newest ``keep``."""
-    files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_parts(p, PART_BYTES)} for p in sorted(tmp.iterdir()) if p.is_file()}
+    files = {
+        p.name: {"bytes": p.stat().st_size, "sha256": sha256_parts(p, PART_BYTES)}
+        for p in sorted(tmp.iterdir())
+        if p.is_file()
+    }
     with open(tmp / META, "w") as fh:
         json.dump({**meta, "step": step, "part_bytes": PART_BYTES, "files": files, "time": time.time()}, fh)
         fh.flush()
@@ -207,7 +233,10 @@ def os_error(e: BaseException | None) -> OSError | None:
         if isinstance(e, OSError):
             return e
         inner = [f[0] if isinstance(f, tuple) else f for f in (getattr(e, "failures", None) or {}).values()]
-        e, seen = next((f for f in inner if isinstance(f, BaseException)), None) or e.__cause__ or e.__context__, seen + 1
+        e, seen = (
+            next((f for f in inner if isinstance(f, BaseException)), None) or e.__cause__ or e.__context__,
+            seen + 1,
+        )
     return None
 
 
@@ -218,8 +247,11 @@ def write_failed(root: Path, step: int, e: OSError, need_bytes: int) -> Checkpoi
         free = "free space unknown"
     newest = newest_complete(root)
     kept = f"the newest complete checkpoint is {newest.name}" if newest else "no complete checkpoint exists yet"
-    return CheckpointError(f"could not write checkpoint step-{step} into {root}: {e.strerror or e} (it needs about {need_bytes / 1e9:.2f} GB, "
-                           f"{free}); {kept}; free space or point checkpoint.dir at a larger volume, then run again to resume")
+    return CheckpointError(
+        f"could not write checkpoint step-{step} into {root}: {e.strerror or e} (it needs about "
+        f"{need_bytes / 1e9:.2f} GB, "
+        f"{free}); {kept}; free space or point checkpoint.dir at a larger volume, then run again to resume"
+    )
 
 
 def space_needed(root: Path, state_bytes: int, keep: int) -> int:
@@ -237,8 +269,11 @@ def _owner_hint(root: Path, e: OSError) -> str:
     folder = next((p for p in (root, *root.parents) if p.exists()), None)
     if folder is None or folder.stat().st_uid == os.getuid():
         return ""
-    return (f": {folder} belongs to uid {folder.stat().st_uid}, this process runs as uid {os.getuid()}; "
-            f"create the folder as the user that runs the job before the container starts (mkdir -p), or run as its owner (-u UID:GID)")
+    return (
+        f": {folder} belongs to uid {folder.stat().st_uid}, this process runs as uid {os.getuid()}; "
+        f"create the folder as the user that runs the job before the container starts (mkdir -p), or run as its owner "
+        f"(-u UID:GID)"
+    )
 
 
 def probe(root: Path, need_bytes: int, keep: int | None = None) -> None:
@@ -253,11 +288,18 @@ def probe(root: Path, need_bytes: int, keep: int | None = None) -> None:
             os.fsync(fh.fileno())
         test.unlink()
     except OSError as e:
-        raise CheckpointError(f"checkpoint.dir={root} is not writable ({e.strerror}{_owner_hint(root, e)}); mount it read-write or set checkpoint.dir to a writable folder") from None
+        raise CheckpointError(
+            f"checkpoint.dir={root} is not writable ({e.strerror}{_owner_hint(root, e)}); mount it read-write or set "
+            f"checkpoint.dir to a writable folder"
+        ) from None
     free = shutil.disk_usage(root).free
     need = need_bytes if keep is None else space_needed(root, need_bytes, keep)
     if free < need * 1.1:
-        what = "one checkpoint needs" if keep is None else f"checkpoint.keep={keep} needs (K + 1 checkpoints at a save, {need_bytes / 1e9:.2f} GB each)"
+        what = (
+            "one checkpoint needs"
+            if keep is None
+            else f"checkpoint.keep={keep} needs (K + 1 checkpoints at a save, {need_bytes / 1e9:.2f} GB each)"
+        )
         raise CheckpointError(
             f"checkpoint.dir={root} has {free / 1e9:.2f} GB free but {what} about {need / 1e9:.2f} GB more; "
             f"free space, lower checkpoint.keep, or point checkpoint.dir at a larger volume"

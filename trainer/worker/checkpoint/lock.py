@@ -59,7 +59,10 @@ class FolderLock:
         return age > self.stale_s or (_same_job(info) and age > 2 * self.heartbeat_s)
 
     def _busy(self, info: dict) -> CheckpointError:
-        return CheckpointError(f"checkpoint.dir={self.root} is in use by another run ({_holder_text(info)}); stop that run, or set checkpoint.dir to another folder")
+        return CheckpointError(
+            f"checkpoint.dir={self.root} is in use by another run ({_holder_text(info)}); stop that run, or set "
+            f"checkpoint.dir to another folder"
+        )
 
     def _try(self) -> int | None:
         """An fd holding the lock, or None when another process holds it."""
@@ -104,15 +107,23 @@ class FolderLock:
             if self._stale(info):
                 aside = self.path.with_name(f"{LOCK}.stale-{time.time_ns()}")
                 self.path.rename(aside)
-                say(f"warning: broke the lock of {_holder_text(info)} (no heartbeat for over {self.stale_s:.0f} s: a dead host); moved it to {aside.name}")
+                say(
+                    f"warning: broke the lock of {_holder_text(info)} (no heartbeat for over {self.stale_s:.0f} s: a "
+                    f"dead host); moved it to {aside.name}"
+                )
                 continue
             if time.monotonic() >= deadline:
                 raise self._busy(info)
             time.sleep(0.5)
         self._fd = fd
         now = time.time()
-        self._info = {"host": socket.gethostname(), "pid": os.getpid(), "since": now, "heartbeat": now,
-                      "run_id": os.environ.get("TORCHELASTIC_RUN_ID")}
+        self._info = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "since": now,
+            "heartbeat": now,
+            "run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
+        }
         self._write()
         threading.Thread(target=self._beat, name="checkpoint-lock-heartbeat", daemon=True).start()
 

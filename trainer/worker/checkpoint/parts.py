@@ -82,7 +82,9 @@ class ModelPart:
         except (RuntimeError, KeyError) as e:
             lines = [line.strip() for line in str(e).splitlines() if line.strip()]
             detail = lines[1] if len(lines) > 1 else (lines[0] if lines else repr(e))
-            raise CheckpointError(f"checkpoint {where} does not fit model {self.name} ({detail}); use a checkpoint of this model") from None
+            raise CheckpointError(
+                f"checkpoint {where} does not fit model {self.name} ({detail}); use a checkpoint of this model"
+            ) from None
 
 
 class OptimizerPart:
@@ -108,11 +110,19 @@ class OptimizerPart:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
         if len(state["param_groups"]) != len(self.optimizer.param_groups):
-            raise CheckpointError(f"the checkpoint's optimizer has {len(state['param_groups'])} parameter groups, this run's "
-                                  f"{len(self.optimizer.param_groups)}; resume with the optim settings it was saved with")
-        settings = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")} for g in self.optimizer.param_groups]
-        stateless = isinstance(self.optimizer, torch.optim.SGD) and not any(g["momentum"] for g in self.optimizer.param_groups)
-        if stateless or not any(isinstance(v, torch.Tensor) for per_param in state["state"].values() for v in per_param.values()):
+            raise CheckpointError(
+                f"the checkpoint's optimizer has {len(state['param_groups'])} parameter groups, this run's "
+                f"{len(self.optimizer.param_groups)}; resume with the optim settings it was saved with"
+            )
+        settings = [
+            {k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")} for g in self.optimizer.param_groups
+        ]
+        stateless = isinstance(self.optimizer, torch.optim.SGD) and not any(
+            g["momentum"] for g in self.optimizer.param_groups
+        )
+        if stateless or not any(
+            isinstance(v, torch.Tensor) for per_param in state["state"].values() for v in per_param.values()
+        ):
             # Nothing per parameter to restore (SGD without momentum, as seed.yaml, now or when
             # saved): torch's loader learns the device from state tensors and fails without any
             # ("Expected device to be set"). The saved groups give the schedule's learning rate;
@@ -144,7 +154,8 @@ def state_bytes(cfg: Config) -> int:
     """Bytes of one checkpoint: the weights, plus one copy per optimizer state tensor and Lookahead,
     plus half for bf16 working weights beside their fp32 masters (the upper bound under auto)."""
     with torch.device("meta"), models.ShapesOnly():  # shapes only: no memory, no time
-        model = models.build(cfg.model.name, 10, cfg.data.image_size or 32)  # the head's classes: a rounding error of the size
+        # the head's classes: a rounding error of the size
+        model = models.build(cfg.model.name, 10, cfg.data.image_size or 32)
     n = sum(p.numel() * p.element_size() for p in model.parameters())
     copies = 1 + (2 if cfg.optim.name == "adamw" else int(cfg.optim.momentum > 0)) + int(cfg.optim.lookahead_every > 0)
     return int(n * (copies + 0.5 * (cfg.train.param_dtype != "fp32")))

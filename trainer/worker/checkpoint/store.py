@@ -83,14 +83,22 @@ def _only(tensors: dict, keep: set[str], prefix: str = "") -> dict:
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    SAFE = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("collections", "OrderedDict"),
-            ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+    SAFE = {
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("pathlib", "PosixPath"),
+        ("collections", "OrderedDict"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    }
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == ("builtins", "getattr"):  # how newer Pythons pickle an enum member: by its name
             return _member
-        if (module, name) in self.SAFE or module == "torch.distributed.checkpoint.metadata" or (
-                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+        if (
+            (module, name) in self.SAFE
+            or module == "torch.distributed.checkpoint.metadata"
+            or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+        ):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
 
@@ -100,7 +108,12 @@ def _member(cls: Any, name: str) -> Any:
     would open every class to the pickle)."""
     import enum
 
-    if isinstance(cls, type) and issubclass(cls, enum.Enum) and cls.__module__ == "torch.distributed.checkpoint.metadata" and name in cls.__members__:
+    if (
+        isinstance(cls, type)
+        and issubclass(cls, enum.Enum)
+        and cls.__module__ == "torch.distributed.checkpoint.metadata"
+        and name in cls.__members__
+    ):
         return cls[name]
     raise pickle.UnpicklingError(f"getattr({cls!r}, {name!r}) is not part of a checkpoint's metadata")
 
@@ -118,12 +131,16 @@ def _reader(folder: Path):
                     with open(folder / ".metadata", "rb") as fh:
                         md = _MetadataUnpickler(fh).load()
                 except Exception as e:  # noqa: BLE001 - every way a file fails to be metadata means the same here
-                    raise CheckpointError(f"{folder} is not a loadable trainer checkpoint ({one_line(e, 160)}); "
-                                          f"pass a step-N folder written by `trainer train`") from None
+                    raise CheckpointError(
+                        f"{folder} is not a loadable trainer checkpoint ({one_line(e, 160)}); "
+                        f"pass a step-N folder written by `trainer train`"
+                    ) from None
                 odd = [k for k, v in md.state_dict_metadata.items() if not isinstance(v, TensorStorageMetadata)]
                 if odd:
-                    raise CheckpointError(f"{folder} holds entries that are not tensors ({odd[0]}); a trainer checkpoint has none: "
-                                          f"pass a step-N folder written by `trainer train`")
+                    raise CheckpointError(
+                        f"{folder} holds entries that are not tensors ({odd[0]}); a trainer checkpoint has none: "
+                        f"pass a step-N folder written by `trainer train`"
+                    )
                 md.storage_meta = md.storage_meta or StorageMeta()
                 self.md = md
             self.md.storage_meta.load_id = self.load_id
@@ -136,7 +153,9 @@ def _reader(folder: Path):
 # Writing and reading.
 
 
-def write(tensors: dict, root: Path, step: int, keep: int, meta: dict, *, writer: bool = True, group=None, say=print) -> Path | None:
+def write(
+    tensors: dict, root: Path, step: int, keep: int, meta: dict, *, writer: bool = True, group=None, say=print
+) -> Path | None:
     """Write ``tensors`` through DCP into ``.tmp-step-N``; then the writer (rank 0) commits it as
     ``step-N`` with ``meta`` (what is not a tensor, as JSON). With ``group`` every rank of it
     writes its own tensors (fsdp's shards) and must call; without, this process writes all."""
@@ -153,7 +172,9 @@ def write(tensors: dict, root: Path, step: int, keep: int, meta: dict, *, writer
         if writer:
             shutil.rmtree(tmp, ignore_errors=True)
         if failure is not None:  # a full, read-only or vanished volume: say so, do not crash-loop
-            raise files.write_failed(root, step, failure, sum(t.numel() * t.element_size() for t in flat(tensors).values())) from None
+            raise files.write_failed(
+                root, step, failure, sum(t.numel() * t.element_size() for t in flat(tensors).values())
+            ) from None
         raise
 
 
@@ -170,10 +191,15 @@ def legacy(folder: Path) -> dict | None:
     try:
         state = torch.load(folder / STATE, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # noqa: BLE001 - pickle, zip and type errors all mean the same to the user
-        raise CheckpointError(f"{folder / STATE} is not a loadable trainer checkpoint ({e.__class__.__name__}: {one_line(e, 160)}); "
-                              f"pass a step-N folder written by `trainer train`") from None
+        raise CheckpointError(
+            f"{folder / STATE} is not a loadable trainer checkpoint ({e.__class__.__name__}: {one_line(e, 160)}); "
+            f"pass a step-N folder written by `trainer train`"
+        ) from None
     if not isinstance(state, dict) or state.get("format") != 1 or "model" not in state:
-        raise CheckpointError(f"{folder / STATE} is not a trainer checkpoint (no format/model entries); pass a step-N folder written by `trainer train`")
+        raise CheckpointError(
+            f"{folder / STATE} is not a trainer checkpoint (no format/model entries); pass a step-N folder written by "
+            f"`trainer train`"
+        )
     state["train"] = {k: state.get(k, 0) for k in ("epoch", "epoch_step", "step")}
     return state
 
@@ -184,18 +210,29 @@ def open_checkpoint(path: Path, verify: bool) -> tuple[Path, dict, dict | None]:
     What it says: model, classes, batch size, config and the state that is not tensors."""
     folder = path if path.is_dir() else path.parent
     if not path.exists():
-        raise CheckpointError(f"checkpoint {path} does not exist; pass a step-N folder from checkpoint.dir, or resume=auto")
+        raise CheckpointError(
+            f"checkpoint {path} does not exist; pass a step-N folder from checkpoint.dir, or resume=auto"
+        )
     if not (folder / files.META).is_file():
-        raise CheckpointError(f"{path} is not a trainer checkpoint and holds none (no {files.META}); pass a step-N folder or the run folder of `trainer train`")
+        raise CheckpointError(
+            f"{path} is not a trainer checkpoint and holds none (no {files.META}); pass a step-N folder or the run "
+            f"folder of `trainer train`"
+        )
     meta = files.verify(folder) if verify else files.read_meta(folder)
     old = legacy(folder)
     if old is not None:
-        meta = {"model": old.get("model_name"), "classes": old.get("classes"), "config": old.get("config"),
-                "batch_size": (old.get("config") or {}).get("train", {}).get("batch_size")}
+        meta = {
+            "model": old.get("model_name"),
+            "classes": old.get("classes"),
+            "config": old.get("config"),
+            "batch_size": (old.get("config") or {}).get("train", {}).get("batch_size"),
+        }
     return folder, meta, old
 
 
-def load_into(folder: Path, targets: dict[str, dict], about: dict, group=None, old: dict | None = None) -> dict[str, dict]:
+def load_into(
+    folder: Path, targets: dict[str, dict], about: dict, group=None, old: dict | None = None
+) -> dict[str, dict]:
     """Each part's saved state, by part: its tensors read in place into ``targets`` (the live
     state dicts), merged with what meta.json holds (``about``, as open_checkpoint gave it). Every
     weight of the model must be there in its shape; other keys the checkpoint lacks are left out
@@ -210,7 +247,10 @@ def load_into(folder: Path, targets: dict[str, dict], about: dict, group=None, o
         found = have.get(key)
         if found is None or tuple(found.size) != tuple(t.shape):
             what = "missing" if found is None else f"{tuple(found.size)} saved, {tuple(t.shape)} here"
-            raise CheckpointError(f"checkpoint {folder} does not fit model {about.get('model')} ({key[6:]}: {what}); use a checkpoint of this model")
+            raise CheckpointError(
+                f"checkpoint {folder} does not fit model {about.get('model')} ({key[6:]}: {what}); use a checkpoint "
+                f"of this model"
+            )
     rest = about.get("state", {})
     wanted = {k: _only(split(t)[0], set(have), f"{k}.") for k, t in targets.items() if k in rest}
     with warnings.catch_warnings():
@@ -230,7 +270,11 @@ def read(folder: Path, parts: tuple[str, ...] | None = None) -> dict:
     reader = _reader(folder)  # reads .metadata once, here and for dcp.load
     md = reader.read_metadata()
     paths = md.planner_data  # DCP's key -> the nested path it came from
-    tensors = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.state_dict_metadata.items() if parts is None or paths[k][0] in parts}
+    tensors = {
+        k: torch.empty(m.size, dtype=m.properties.dtype)
+        for k, m in md.state_dict_metadata.items()
+        if parts is None or paths[k][0] in parts
+    }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(tensors, storage_reader=reader, no_dist=True)

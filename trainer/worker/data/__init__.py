@@ -6,7 +6,8 @@ the download or decode while the others wait on a file lock: no concurrent-downl
 process group is needed for it. trainer/worker/data/loader.py turns these tensors into batches. S is the
 stored size (:func:`store_size`): the image size for small images, 8/7 of it for larger ones
 (resize the shorter side, centre crop), so that training crops and test centre crops come from it.
-A set too large for memory is streamed from shards instead (trainer/worker/data/shards.py, trainer/worker/data/stream.py);
+A set too large for memory is streamed from shards instead (trainer/worker/data/shards.py,
+trainer/worker/data/stream.py);
 :func:`plan` decides which, and says why.
 
 torch is imported inside the functions that need it: ``trainer launch`` asks :func:`ready` before
@@ -28,7 +29,15 @@ from typing import TYPE_CHECKING
 from trainer.config import Config, ConfigError
 from trainer.contract import one_line, say, warn
 from trainer.files import flock, replacing
-from trainer.worker.data.folders import IMAGE_SUFFIXES, _archive, check_same_classes, find_source, members, resize_center, to_rgb
+from trainer.worker.data.folders import (
+    IMAGE_SUFFIXES,
+    _archive,
+    check_same_classes,
+    find_source,
+    members,
+    resize_center,
+    to_rgb,
+)
 
 PROGRESS_S = 5.0
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
@@ -122,7 +131,8 @@ def _cache_folders(cfg: Config) -> list[Path]:
     if cfg.data.cache_dir:
         return [Path(cfg.data.cache_dir)]
     root, own = cfg.checkpoint.root.resolve().parent, cfg.checkpoint.root / ".data-cache"
-    beside_runs = [root / ".data-cache"] if cfg.data.name == "imagefolder" and root != root.parent else []  # not /.data-cache
+    # not /.data-cache
+    beside_runs = [root / ".data-cache"] if cfg.data.name == "imagefolder" and root != root.parent else []
     return [*beside_runs, Path(cfg.data.dir), own]
 
 
@@ -144,13 +154,24 @@ def _cached(cfg: Config, key: str, build) -> tuple[Split, Split]:
     with machine_lock(folder, "cache"):  # read-only folder: the lock lives in the temp folder
         if not path.exists():
             train, test = build()
-            _save_atomic({"train_x": train.images, "train_y": train.labels, "test_x": test.images,
-                          "test_y": test.labels, "classes": train.classes, "test_paths": test.paths}, path)
+            _save_atomic(
+                {
+                    "train_x": train.images,
+                    "train_y": train.labels,
+                    "test_x": test.images,
+                    "test_y": test.labels,
+                    "classes": train.classes,
+                    "test_paths": test.paths,
+                },
+                path,
+            )
             return train, test
     try:
         blob = torch.load(path, weights_only=True)
         classes = list(blob["classes"])
-        return Split(blob["train_x"], blob["train_y"], classes), Split(blob["test_x"], blob["test_y"], classes, blob.get("test_paths"))
+        return Split(blob["train_x"], blob["train_y"], classes), Split(
+            blob["test_x"], blob["test_y"], classes, blob.get("test_paths")
+        )
     except Exception as e:  # noqa: BLE001 - a cut-short or overwritten cache: any load error means the same
         why = one_line(e, 100)
         warn(f"the data cache {path} is damaged ({e.__class__.__name__}: {why}); decoding the data set again")
@@ -183,13 +204,17 @@ def _cifar10(cfg: Config) -> tuple[Split, Split]:
         with machine_lock(root if _writable(root) else Path(tempfile.gettempdir()), "download"):
             for train in (True, False):
                 try:
-                    ds = torchvision.datasets.CIFAR10(str(root), train=train, download=cfg.data.download and _writable(root))
+                    ds = torchvision.datasets.CIFAR10(
+                        str(root), train=train, download=cfg.data.download and _writable(root)
+                    )
                 except Exception as e:  # noqa: BLE001 - offline, read-only, checksum failure...
                     reason = one_line(e, 120)
-                    raise NotDownloaded(reason,
+                    raise NotDownloaded(
+                        reason,
                         f"CIFAR-10 is not in data.dir={cfg.data.dir} and could not be downloaded ({reason}); put "
-                        f"cifar-10-python.tar.gz there, or use data.name=imagefolder data.dir=PATH (a folder of train/ and test/ class folders or their .tar.gz; "
-                        f"make run-local DATA=PATH)"
+                        f"cifar-10-python.tar.gz there, or use data.name=imagefolder data.dir=PATH (a folder of "
+                        f"train/ and test/ class folders or their .tar.gz; "
+                        f"make run-local DATA=PATH)",
                     ) from None
                 x = torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous()
                 splits.append(Split(x, torch.tensor(ds.targets, dtype=torch.int64), list(ds.classes)))
@@ -214,7 +239,8 @@ def check_archive(source: Path) -> None:
 
 def _decode(items, source: Path, side: int) -> tuple[torch.Tensor, list[str], list[str], list[str]]:
     """(uint8 images [N, 3, side, side], their class names, the names of those that did not decode,
-    the names of those that did) from ``items`` of (class name, file name, bytes): an image folder's or tarball's members, or a
+    the names of those that did) from ``items`` of (class name, file name, bytes): an image folder's or tarball's
+    members, or a
     shard split's images."""
     import torch
     from PIL import Image, UnidentifiedImageError
@@ -239,9 +265,15 @@ def _decode(items, source: Path, side: int) -> tuple[torch.Tensor, list[str], li
         warn(f"skipped {len(bad)} unreadable image(s): {', '.join(bad[:3])}{more}")
     say(f"  decoded {len(images):,} images of {source.name} in {time.monotonic() - t0:.1f} s")
     if not images and bad:
-        raise ConfigError(f"{source}: none of its {len(bad)} image files could be decoded (first: {bad[0]}); replace them with readable images")
+        raise ConfigError(
+            f"{source}: none of its {len(bad)} image files could be decoded (first: {bad[0]}); replace them with "
+            f"readable images"
+        )
     if not images:
-        raise ConfigError(f"{source} holds no class folders with images ({', '.join(IMAGE_SUFFIXES)}); expected {source}/<class>/<image>")
+        raise ConfigError(
+            f"{source} holds no class folders with images ({', '.join(IMAGE_SUFFIXES)}); expected "
+            f"{source}/<class>/<image>"
+        )
     return torch.stack(images).permute(0, 3, 1, 2).contiguous(), names, bad, paths
 
 
@@ -253,7 +285,9 @@ def _imagefolder_sources(cfg: Config) -> tuple[list[Path], str]:
     sources = [find_source(root, s) for s in ("train", "test")]
     stamp = "|".join(f"{s.resolve()}:{s.stat().st_mtime_ns}:{s.stat().st_size}" for s in sources)
     side = store_size(cfg.data.image_size or 32)
-    return sources, "imagefolder-" + hashlib.sha1(stamp.encode()).hexdigest()[:16] + ("" if side == 32 else f"-{side}px")
+    return sources, "imagefolder-" + hashlib.sha1(stamp.encode()).hexdigest()[:16] + (
+        "" if side == 32 else f"-{side}px"
+    )
 
 
 def _imagefolder(cfg: Config) -> tuple[Split, Split]:
@@ -267,7 +301,9 @@ def _imagefolder(cfg: Config) -> tuple[Split, Split]:
         classes = sorted(set(decoded[0][1]))
         check_same_classes(classes, sorted(set(decoded[1][1])), str(root))
         index = {c: i for i, c in enumerate(classes)}
-        return tuple(Split(x, torch.tensor([index[n] for n in names]), classes, paths) for x, names, _, paths in decoded)
+        return tuple(
+            Split(x, torch.tensor([index[n] for n in names]), classes, paths) for x, names, _, paths in decoded
+        )
 
     return _cached(cfg, key, build)
 
@@ -309,7 +345,9 @@ def resolve_image_size(cfg: Config) -> tuple[int, str]:
         if side is None:
             return 32, "auto: 32 for a tarball, whose sizes are known only once decoded"
     size = min(AUTO_MAX, side)
-    return size, f"auto: the images' median shorter side {side} px" + (f", at most {AUTO_MAX}" if side > AUTO_MAX else "")
+    return size, f"auto: the images' median shorter side {side} px" + (
+        f", at most {AUTO_MAX}" if side > AUTO_MAX else ""
+    )
 
 
 def _resized(split: Split, side: int) -> Split:
@@ -321,7 +359,9 @@ def _resized(split: Split, side: int) -> Split:
 
     out = torch.empty(len(split), 3, side, side, dtype=torch.uint8)
     for i in range(0, len(split), 1024):  # in chunks: the float copy of a whole set at 256 px is 4x its uint8 bytes
-        x = F.interpolate(split.images[i : i + 1024].float(), size=(side, side), mode="bilinear", antialias=True, align_corners=False)
+        x = F.interpolate(
+            split.images[i : i + 1024].float(), size=(side, side), mode="bilinear", antialias=True, align_corners=False
+        )
         out[i : i + 1024] = x.round().clamp(0, 255)
     return Split(out, split.labels, split.classes)
 
@@ -352,7 +392,9 @@ def synthetic(n_train: int, n_test: int, seed: int = 1234) -> tuple[Split, Split
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    templates = torch.nn.functional.interpolate(torch.rand(10, 3, 4, 4, generator=g), size=40, mode="bilinear", align_corners=False)
+    templates = torch.nn.functional.interpolate(
+        torch.rand(10, 3, 4, 4, generator=g), size=40, mode="bilinear", align_corners=False
+    )
 
     def make(n: int) -> Split:
         y = torch.randint(0, 10, (n,), generator=g)
@@ -376,7 +418,9 @@ def load(cfg: Config) -> tuple[Split, Split]:
     elif name == "shards":
         from trainer.worker.data import shards
 
-        train, test = _cached(cfg, shards.cache_key(Path(cfg.data.dir), side), lambda: _decode_shards(Path(cfg.data.dir), side))
+        train, test = _cached(
+            cfg, shards.cache_key(Path(cfg.data.dir), side), lambda: _decode_shards(Path(cfg.data.dir), side)
+        )
     else:
         train, test = _imagefolder(cfg)
     train, test = _resized(train, side), _resized(test, side)
@@ -409,8 +453,11 @@ class Plan:
     path_why: str
 
     def describe(self, n_train: int, n_test: int, classes: int) -> str:
-        return (f"{self.source}: {n_train:,} train / {n_test:,} test images, {classes} classes, {self.image_size} px ({self.size_why}) | "
-                f"{self.path_why}")
+        return (
+            f"{self.source}: {n_train:,} train / {n_test:,} test images, {classes} classes, {self.image_size} px "
+            f"({self.size_why}) | "
+            f"{self.path_why}"
+        )
 
 
 def memory_budget(cuda_total: int | None, local_procs: int) -> tuple[int, str]:
@@ -420,12 +467,17 @@ def memory_budget(cuda_total: int | None, local_procs: int) -> tuple[int, str]:
         return int(cuda_total * DATA_MEMORY_SHARE), f"{DATA_MEMORY_SHARE:.0%} of the GPU's {cuda_total / 2**30:.0f} GiB"
     host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     share = f" / {local_procs} processes" if local_procs > 1 else ""
-    return int(host * DATA_MEMORY_SHARE / local_procs), f"{DATA_MEMORY_SHARE:.0%} of the host's {host / 2**30:.0f} GiB{share}"
+    return int(
+        host * DATA_MEMORY_SHARE / local_procs
+    ), f"{DATA_MEMORY_SHARE:.0%} of the host's {host / 2**30:.0f} GiB{share}"
 
 
 def _source(cfg: Config) -> str:
-    return {"cifar10": f"CIFAR-10 ({cfg.data.dir})", "synthetic": "synthetic set (generated, not real images)",
-            "shards": f"shards {cfg.data.dir}"}.get(cfg.data.name, f"image folder {cfg.data.dir}")
+    return {
+        "cifar10": f"CIFAR-10 ({cfg.data.dir})",
+        "synthetic": "synthetic set (generated, not real images)",
+        "shards": f"shards {cfg.data.dir}",
+    }.get(cfg.data.name, f"image folder {cfg.data.dir}")
 
 
 def train_images(cfg: Config) -> int | None:
@@ -468,15 +520,28 @@ def plan(cfg: Config, cuda_total: int | None, local_procs: int) -> Plan:
         if d.loader == "stream" or (d.loader == "auto" and need > budget):
             why = "data.loader=stream" if d.loader == "stream" else f"{need / 2**30:.1f} GiB decoded > {of}"
             decode = "GPU" if d.decode == "gpu" else "CPU workers"
-            return Plan(_source(cfg), size, size_why, True, f"streamed from shards, JPEGs decoded by the {decode} ({why})")
-        return Plan(_source(cfg), size, size_why, False, f"in memory, {where}: {need / 2**30:.2f} GiB decoded, within {of}")
+            return Plan(
+                _source(cfg), size, size_why, True, f"streamed from shards, JPEGs decoded by the {decode} ({why})"
+            )
+        return Plan(
+            _source(cfg), size, size_why, False, f"in memory, {where}: {need / 2**30:.2f} GiB decoded, within {of}"
+        )
     if d.loader == "stream":
-        raise ConfigError(f"data.loader=stream reads shards and data.name={d.name} is not; write them once with `trainer data --shards OUT "
-                          f"data.name=imagefolder data.dir=IMAGES`, then train with data.name=shards data.dir=OUT")
-    n = {"cifar10": 60000, "synthetic": d.synthetic_train_size + d.synthetic_test_size}.get(d.name) or _count_images(cfg)
+        raise ConfigError(
+            f"data.loader=stream reads shards and data.name={d.name} is not; write them once with `trainer data "
+            f"--shards OUT "
+            f"data.name=imagefolder data.dir=IMAGES`, then train with data.name=shards data.dir=OUT"
+        )
+    n = {"cifar10": 60000, "synthetic": d.synthetic_train_size + d.synthetic_test_size}.get(d.name) or _count_images(
+        cfg
+    )
     need = (n or 0) * 3 * side * side
     if need > budget:
-        raise ConfigError(f"{_source(cfg)} at {side} px needs {need / 2**30:.1f} GiB decoded, more than {of}; shard it once with `trainer data "
-                          f"--shards OUT data.name=imagefolder data.dir={d.dir}` and train with data.name=shards data.dir=OUT (streamed)")
+        raise ConfigError(
+            f"{_source(cfg)} at {side} px needs {need / 2**30:.1f} GiB decoded, more than {of}; shard it once with "
+            f"`trainer data "
+            f"--shards OUT data.name=imagefolder data.dir={d.dir}` and train with data.name=shards data.dir=OUT "
+            f"(streamed)"
+        )
     shown = f": {need / 2**30:.2f} GiB decoded, within {of}" if n else ""
     return Plan(_source(cfg), size, size_why, False, f"in memory, {where}{shown}")

@@ -37,7 +37,10 @@ def members(source: Path):
         for cls_dir in sorted(p for p in source.iterdir() if p.is_dir()):
             files = sorted(f for f in cls_dir.iterdir() if f.suffix.lower() in IMAGE_SUFFIXES)
             if not files:
-                raise ConfigError(f"class folder {cls_dir} holds no images ({', '.join(IMAGE_SUFFIXES)}); add images or remove the folder")
+                raise ConfigError(
+                    f"class folder {cls_dir} holds no images ({', '.join(IMAGE_SUFFIXES)}); add images or remove the "
+                    f"folder"
+                )
             for f in files:
                 yield cls_dir.name, str(f), f.read_bytes()
         return
@@ -95,14 +98,20 @@ def _archive(source: Path):
             yield tar
     except (tarfile.TarError, EOFError, zlib.error, OSError) as e:
         why = one_line(e, 100) or e.__class__.__name__
-        raise ConfigError(f"{source} is not a complete .tar.gz archive ({why}); download or copy it again, "
-                          f"or unpack it into {source.parent}/<split>/<class>/") from None
+        raise ConfigError(
+            f"{source} is not a complete .tar.gz archive ({why}); download or copy it again, "
+            f"or unpack it into {source.parent}/<split>/<class>/"
+        ) from None
 
 
 def check_same_classes(train: list[str], test: list[str], where: str) -> None:
     if train != test:
         only_train, only_test = sorted(set(train) - set(test)), sorted(set(test) - set(train))
-        diff = "; ".join(f"only in {s}: {', '.join(c[:3])}{' ...' if len(c) > 3 else ''}" for s, c in (("train", only_train), ("test", only_test)) if c)
-        raise ConfigError(f"train and test of {where} have different classes ({diff}); give both the same class folders")
-
-
+        diff = "; ".join(
+            f"only in {s}: {', '.join(c[:3])}{' ...' if len(c) > 3 else ''}"
+            for s, c in (("train", only_train), ("test", only_test))
+            if c
+        )
+        raise ConfigError(
+            f"train and test of {where} have different classes ({diff}); give both the same class folders"
+        )

@@ -96,8 +96,15 @@ class Augment:
     instead of per step), the host loader one step at a time, and both give the same batches.
     """
 
-    def __init__(self, cfg: Config, rt: Runtime, channels_last: bool, per_rank_batch: int = 0, steps_per_epoch: int = 0,
-                 norm: tuple | None = None):
+    def __init__(
+        self,
+        cfg: Config,
+        rt: Runtime,
+        channels_last: bool,
+        per_rank_batch: int = 0,
+        steps_per_epoch: int = 0,
+        norm: tuple | None = None,
+    ):
         self.pad, self.flip, self.seed = cfg.data.crop_padding, cfg.data.flip, cfg.train.seed
         self.reflect = cfg.data.crop_mode == "reflect"
         self.alternate = cfg.data.flip_mode == "alternate"
@@ -147,7 +154,10 @@ class Augment:
             return self.normalize(x)
         n = len(x) // self.b
         if n * self.b != len(x) or step + n > self.steps:
-            raise ValueError(f"augment {len(x)} images from step {step}: expected whole batches of {self.b} within {self.steps} steps")
+            raise ValueError(
+                f"augment {len(x)} images from step {step}: expected whole batches of {self.b} within {self.steps} "
+                f"steps"
+            )
         shift, coin = (t[step : step + n].flatten(0, 1) for t in self.draws(epoch))
         mirror = None
         if self.flip:
@@ -165,7 +175,9 @@ def alternate_mirror(idx: torch.Tensor, seed: int, epoch: int) -> torch.Tensor:
     return (bit ^ (epoch & 1)).bool()
 
 
-def random_crop(x: torch.Tensor, shift: torch.Tensor, pad: int, reflect: bool = False, mirror: torch.Tensor | None = None) -> torch.Tensor:
+def random_crop(
+    x: torch.Tensor, shift: torch.Tensor, pad: int, reflect: bool = False, mirror: torch.Tensor | None = None
+) -> torch.Tensor:
     """Crop each image of ``x`` [B,C,H,W] from its padded copy at offsets ``shift`` [B,2] in
     [0, 2*pad], and mirror the crops where ``mirror`` [B] is set: two gathers (rows, then
     columns) whose indices are broadcast views, so the padding, the flip and the indices are
@@ -218,7 +230,9 @@ def resized_crop(x: torch.Tensor, u: torch.Tensor, size: int, mirror: torch.Tens
     theta[:, 0, 0], theta[:, 0, 2] = sign * cw / s, (2 * left + cw) / s - 1
     theta[:, 1, 1], theta[:, 1, 2] = ch / s, (2 * top + ch) / s - 1
     grid = torch.nn.functional.affine_grid(theta, [b, x.shape[1], size, size], align_corners=False)
-    return torch.nn.functional.grid_sample(x.to(cw.dtype), grid, mode="bilinear", padding_mode="border", align_corners=False)
+    return torch.nn.functional.grid_sample(
+        x.to(cw.dtype), grid, mode="bilinear", padding_mode="border", align_corners=False
+    )
 
 
 def _mirror(i: torch.Tensor, n: int) -> torch.Tensor:
@@ -231,8 +245,15 @@ class DeviceLoader:
     augments them in chunks of many steps (the whole epoch for CIFAR-10), so a step only slices:
     no kernels and no host work per step for the input."""
 
-    def __init__(self, split: Split, rt: Runtime, per_rank_batch: int, seed: int, augment: Augment | None = None,
-                 chunk_bytes: int = 1 << 30):
+    def __init__(
+        self,
+        split: Split,
+        rt: Runtime,
+        per_rank_batch: int,
+        seed: int,
+        augment: Augment | None = None,
+        chunk_bytes: int = 1 << 30,
+    ):
         self.images = split.images.to(rt.device)
         self.labels = split.labels.to(rt.device)
         self.rt, self.b, self.seed, self.augment = rt, per_rank_batch, seed, augment
@@ -304,12 +325,25 @@ class DeviceLoader:
 class HostLoader:
     """DataLoader + DistributedSampler over host memory, copied to the device per step."""
 
-    def __init__(self, split: Split, rt: Runtime, per_rank_batch: int, seed: int, num_workers: int, augment: Augment | None = None):
+    def __init__(
+        self,
+        split: Split,
+        rt: Runtime,
+        per_rank_batch: int,
+        seed: int,
+        num_workers: int,
+        augment: Augment | None = None,
+    ):
         self.rt, self.augment = rt, augment
         self.sampler = ShardSampler(len(split), rt, seed, per_rank_batch)
         self.loader = DataLoader(
-            TensorDataset(split.images, split.labels, torch.arange(len(split))), batch_size=per_rank_batch,
-            sampler=self.sampler, drop_last=True, num_workers=num_workers, pin_memory=rt.cuda, persistent_workers=num_workers > 0,
+            TensorDataset(split.images, split.labels, torch.arange(len(split))),
+            batch_size=per_rank_batch,
+            sampler=self.sampler,
+            drop_last=True,
+            num_workers=num_workers,
+            pin_memory=rt.cuda,
+            persistent_workers=num_workers > 0,
             worker_init_fn=quiet_worker,
         )
         self.steps_per_epoch = self.sampler.num_samples // per_rank_batch
@@ -329,7 +363,9 @@ class HostLoader:
             yield x, y, idx
 
 
-def first_batch(images: torch.Tensor, labels: torch.Tensor, b: int, augment: Augment, rt: Runtime) -> tuple[torch.Tensor, torch.Tensor]:
+def first_batch(
+    images: torch.Tensor, labels: torch.Tensor, b: int, augment: Augment, rt: Runtime
+) -> tuple[torch.Tensor, torch.Tensor]:
     x = augment.train(images[:b].to(rt.device), 0, 0, torch.arange(b, device=rt.device))
     return x, labels[:b].to(rt.device)
 

@@ -57,13 +57,20 @@ def _prepare(item: tuple[int, str, str, bytes, int]) -> tuple[int, str, bytes | 
     try:
         with Image.open(io.BytesIO(raw)) as im:
             im.load()
-            keep = im.format == "JPEG" and im.mode == "RGB" and not im.info.get("progressive") and (not max_side or min(im.size) <= max_side)
+            keep = (
+                im.format == "JPEG"
+                and im.mode == "RGB"
+                and not im.info.get("progressive")
+                and (not max_side or min(im.size) <= max_side)
+            )
             if keep:
                 return i, cls, raw, min(im.size)
             rgb = to_rgb(im)
             if max_side and min(rgb.size) > max_side:
                 scale = max_side / min(rgb.size)
-                rgb = rgb.resize((max(1, round(rgb.size[0] * scale)), max(1, round(rgb.size[1] * scale))), Image.BILINEAR)
+                rgb = rgb.resize(
+                    (max(1, round(rgb.size[0] * scale)), max(1, round(rgb.size[1] * scale))), Image.BILINEAR
+                )
             out = io.BytesIO()
             rgb.save(out, format="JPEG", quality=95)
             return i, cls, out.getvalue(), min(rgb.size)
@@ -77,14 +84,19 @@ def write(source_root: Path, out: Path, max_side: int = 512, workers: int | None
     from trainer.worker.data.folders import check_same_classes, find_source
 
     if not source_root.is_dir():
-        raise ConfigError(f"{source_root} does not exist; point it at a folder of train/ and test/ class folders (or their .tar.gz)")
+        raise ConfigError(
+            f"{source_root} does not exist; point it at a folder of train/ and test/ class folders (or their .tar.gz)"
+        )
     out.mkdir(parents=True, exist_ok=True)
     workers = workers or max(1, min(16, os.cpu_count() or 1))
     # written in a folder of their own, moved into place when both splits are whole: a failed or
     # stopped write (a class mismatch, a full disk, Ctrl-C) leaves no part of a shard set behind
     work = Path(tempfile.mkdtemp(prefix=".writing-", dir=out))
     try:
-        indexes = {split: _write_split(find_source(source_root, split), work, split, max_side, workers) for split in ("train", "test")}
+        indexes = {
+            split: _write_split(find_source(source_root, split), work, split, max_side, workers)
+            for split in ("train", "test")
+        }
         check_same_classes(indexes["train"]["classes"], indexes["test"]["classes"], str(source_root))
         for split, index in indexes.items():
             for old in out.glob(f"{split}-*.tar"):
@@ -106,8 +118,10 @@ def _write_split(source: Path, out: Path, split: str, max_side: int, workers: in
     t0 = last = time.monotonic()
     sides, bad, classes = [], [], set()
     items = ((i, cls, name, raw, max_side) for i, (cls, name, raw) in enumerate(members(source)))
-    with get_context("fork").Pool(workers) as pool, wds.ShardWriter(str(out / f"{split}-%06d.tar"), maxcount=MAX_COUNT, maxsize=MAX_BYTES,
-                                                                     verbose=0) as sink:
+    with (
+        get_context("fork").Pool(workers) as pool,
+        wds.ShardWriter(str(out / f"{split}-%06d.tar"), maxcount=MAX_COUNT, maxsize=MAX_BYTES, verbose=0) as sink,
+    ):
         for _, cls, jpeg, side in pool.imap(_prepare, items, chunksize=64):
             if side < 0:
                 bad.append(jpeg.decode())
@@ -123,11 +137,20 @@ def _write_split(source: Path, out: Path, split: str, max_side: int, workers: in
         warn(f"skipped {len(bad)} unreadable image(s) of {split}: {'; '.join(bad[:3])}{more}")
     if not sides:
         raise ConfigError(f"{source} holds no readable images; expected {source}/<class>/<image>")
-    index = {"__kind__": KIND, "wids_version": 1, "name": split, "classes": sorted(classes), "images": len(sides), "skipped": len(bad),
-             "median_short_side": sorted(sides)[len(sides) // 2],
-             "shardlist": [{"url": p.name, "nsamples": 0, "filesize": p.stat().st_size} for p in sorted(out.glob(f"{split}-*.tar"))]}
+    index = _index(out, split, classes, sides, bad)
+    say(
+        f"  {split}: {len(sides):,} images, {len(classes)} classes in {len(index['shardlist'])} shard(s), "
+        f"{time.monotonic() - t0:.1f} s"
+    )
+    return index
+
+
+def _index(out: Path, split: str, classes: set, sides: list[int], bad: list[str]) -> dict:
+    """The split's index (wids' form, with this trainer's counts), its offsets table written beside it."""
+    shards = [{"url": p.name, "nsamples": 0, "filesize": p.stat().st_size} for p in sorted(out.glob(f"{split}-*.tar"))]
+    index = {"__kind__": KIND, "wids_version": 1, "name": split, "classes": sorted(classes), "images": len(sides)}
+    index.update(skipped=len(bad), median_short_side=sorted(sides)[len(sides) // 2], shardlist=shards)
     _offsets(out, split, index)
-    say(f"  {split}: {len(sides):,} images, {len(classes)} classes in {len(index['shardlist'])} shard(s), {time.monotonic() - t0:.1f} s")
     return index
 
 
@@ -162,7 +185,9 @@ def read_index(root: Path, split: str) -> dict:
     try:
         index = json.loads(path.read_text())
     except FileNotFoundError:
-        raise ConfigError(f"data.name=shards: {path} does not exist; {fix}, or use data.name=imagefolder for a folder of images") from None
+        raise ConfigError(
+            f"data.name=shards: {path} does not exist; {fix}, or use data.name=imagefolder for a folder of images"
+        ) from None
     except (OSError, ValueError) as e:
         raise ConfigError(f"{path} is not a shard index ({one_line(e, 80)}); {fix}") from None
     if index.get("__kind__") != KIND or "classes" not in index:
@@ -181,14 +206,21 @@ def check(root: Path) -> tuple[dict, dict]:
             try:
                 size = path.stat().st_size
             except OSError as e:
-                raise ConfigError(f"shard {path} is missing or unreadable ({e.strerror}); copy it back or write the shards again") from None
+                raise ConfigError(
+                    f"shard {path} is missing or unreadable ({e.strerror}); copy it back or write the shards again"
+                ) from None
             if shard.get("filesize") not in (None, size):
-                raise ConfigError(f"shard {path} has {size} bytes, its index says {shard['filesize']}: it is cut short or replaced; "
-                                  f"copy it again or write the shards again")
+                raise ConfigError(
+                    f"shard {path} has {size} bytes, its index says {shard['filesize']}: it is cut short or replaced; "
+                    f"copy it again or write the shards again"
+                )
     check_same_classes(indexes[0]["classes"], indexes[1]["classes"], str(root))
     for split, index in zip(("train", "test"), indexes, strict=True):
         if len(ShardSet(root, split)) != index["images"]:
-            raise ConfigError(f"{root / (split + '.offsets.npy')} does not match {split}.json; write the shards again with trainer data --shards")
+            raise ConfigError(
+                f"{root / (split + '.offsets.npy')} does not match {split}.json; write the shards again with trainer "
+                f"data --shards"
+            )
     return indexes
 
 
@@ -196,7 +228,11 @@ def cache_key(root: Path, side: int) -> str:
     """The in-memory cache's key of shards decoded at ``side``: changes when a shard does."""
     import hashlib
 
-    stamp = "|".join(f"{(root / s['url']).resolve()}:{s.get('filesize')}" for split in ("train", "test") for s in read_index(root, split)["shardlist"])
+    stamp = "|".join(
+        f"{(root / s['url']).resolve()}:{s.get('filesize')}"
+        for split in ("train", "test")
+        for s in read_index(root, split)["shardlist"]
+    )
     return f"shards-{hashlib.sha1(stamp.encode()).hexdigest()[:16]}-{side}px"
 
 
@@ -218,7 +254,9 @@ class ShardSet:
             raise ConfigError(f"{table} is missing; write the shards again with trainer data --shards") from None
         except (OSError, ValueError) as e:
             why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-            raise ConfigError(f"{table} is damaged ({one_line(why, 80)}); write the shards again with trainer data --shards") from None
+            raise ConfigError(
+                f"{table} is damaged ({one_line(why, 80)}); write the shards again with trainer data --shards"
+            ) from None
         self.open: OrderedDict[int, int] = OrderedDict()
 
     def __len__(self) -> int:
@@ -235,7 +273,9 @@ class ShardSet:
         try:
             self.open[k] = os.open(path, os.O_RDONLY)
         except OSError as e:
-            raise ConfigError(f"shard {path} cannot be read ({e.strerror}); copy it again or write the shards again") from None
+            raise ConfigError(
+                f"shard {path} cannot be read ({e.strerror}); copy it again or write the shards again"
+            ) from None
         if len(self.open) > OPEN_FILES:
             os.close(self.open.popitem(last=False)[1])
         return self.open[k]

@@ -94,7 +94,9 @@ class StepBatches(Dataset):
     """Item (epoch, step): this rank's images of that global step. GPU decode: the raw JPEG bytes;
     CPU decode: decoded, cropped, resized and mirrored uint8 images. Worker processes run it."""
 
-    def __init__(self, shards: ShardSet, rank: int, world: int, per_rank: int, seed: int, size: int, flip: bool, on_cpu: bool):
+    def __init__(
+        self, shards: ShardSet, rank: int, world: int, per_rank: int, seed: int, size: int, flip: bool, on_cpu: bool
+    ):
         self.shards, self.rank, self.world, self.b, self.seed = shards, rank, world, per_rank, seed
         self.size, self.flip, self.on_cpu = size, flip, on_cpu
         self._order: tuple[int, torch.Tensor] | None = None
@@ -135,8 +137,11 @@ def fill_bad(images: list, at: list, mirror: list, labels: torch.Tensor, bad: li
     good = next((j for j in range(len(images)) if images[j] is not None), None)
     if good is None:
         shard = where[0].split(":")[0]
-        raise ConfigError(f"no image of a batch decodes (first: {where[0]}): {shard} is damaged or not a shard; write the shards again "
-                          f"with trainer data --shards, or copy {shard} again")
+        raise ConfigError(
+            f"no image of a batch decodes (first: {where[0]}): {shard} is damaged or not a shard; write the shards "
+            f"again "
+            f"with trainer data --shards, or copy {shard} again"
+        )
     for j in bad:
         images[j], at[j], mirror[j], labels[j] = images[good], at[good], mirror[good], labels[good]
     return [where[j] for j in bad]
@@ -190,10 +195,26 @@ class StreamLoader:
         self.rt, self.b, self.augment, self.gpu = rt, per_rank_batch, augment, gpu_decode
         self.size, self.max_bad, self.bad = cfg.data.image_size, cfg.data.max_bad_images, 0
         self.steps_per_epoch = len(split) // (per_rank_batch * rt.world_size)
-        self.data = StepBatches(split.shards, rt.rank, rt.world_size, per_rank_batch, cfg.train.seed, self.size, cfg.data.flip, not gpu_decode)
+        self.data = StepBatches(
+            split.shards,
+            rt.rank,
+            rt.world_size,
+            per_rank_batch,
+            cfg.train.seed,
+            self.size,
+            cfg.data.flip,
+            not gpu_decode,
+        )
         n = workers(cfg, gpu_decode)
-        self.loader_args = {"num_workers": n, "pin_memory": rt.cuda, "prefetch_factor": 2 if n else None,
-                            "persistent_workers": n > 0, "batch_size": None, "collate_fn": _as_is, "worker_init_fn": quiet_worker}
+        self.loader_args = {
+            "num_workers": n,
+            "pin_memory": rt.cuda,
+            "prefetch_factor": 2 if n else None,
+            "persistent_workers": n > 0,
+            "batch_size": None,
+            "collate_fn": _as_is,
+            "worker_init_fn": quiet_worker,
+        }
         self._loader: DataLoader | None = None
         self._sampler = _Steps()
 
@@ -234,12 +255,18 @@ class StreamLoader:
         if not bad:
             return
         self.bad += len(bad)
-        say(f"rank {self.rt.rank}: skipped {len(bad)} image(s) that do not decode ({', '.join(bad[:2])}); {self.bad} so far, "
-            f"the run stops past data.max_bad_images={self.max_bad}")
+        say(
+            f"rank {self.rt.rank}: skipped {len(bad)} image(s) that do not decode ({', '.join(bad[:2])}); {self.bad} "
+            f"so far, "
+            f"the run stops past data.max_bad_images={self.max_bad}"
+        )
         if self.bad > self.max_bad:
             shard = bad[0].split(":")[0]
-            raise ConfigError(f"{self.bad} images did not decode on rank {self.rt.rank} (past data.max_bad_images={self.max_bad}; last in "
-                              f"{shard}): the shards are damaged; write them again with trainer data --shards, or copy {shard} again")
+            raise ConfigError(
+                f"{self.bad} images did not decode on rank {self.rt.rank} (past data.max_bad_images={self.max_bad}; "
+                f"last in "
+                f"{shard}): the shards are damaged; write them again with trainer data --shards, or copy {shard} again"
+            )
 
     def first_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Epoch 0's first batch (warm-up): the same images and crops the first step reads."""
@@ -247,8 +274,15 @@ class StreamLoader:
         return x, y
 
 
-def decode_on_gpu(raws: tuple[torch.Tensor, list[int]], labels: torch.Tensor, where: list[str], size: int, device: torch.device,
-                  u: torch.Tensor | None = None, flip: bool = False):
+def decode_on_gpu(
+    raws: tuple[torch.Tensor, list[int]],
+    labels: torch.Tensor,
+    where: list[str],
+    size: int,
+    device: torch.device,
+    u: torch.Tensor | None = None,
+    flip: bool = False,
+):
     """One nvjpeg call for the batch (``raws``: :func:`one_buffer`'s), then every image's crop
     (random-resized from ``u``, or the test centre crop without it) resized to ``size`` by one
     roi_align: float [n, 3, size, size]."""
@@ -264,7 +298,9 @@ def decode_on_gpu(raws: tuple[torch.Tensor, list[int]], labels: torch.Tensor, wh
     return crop_batch(images, at, mirror, size), labels, lost
 
 
-def crop_batch(images: list[torch.Tensor], at: list, mirror: list[bool], size: int, chunk_values: int = 1 << 28) -> torch.Tensor:
+def crop_batch(
+    images: list[torch.Tensor], at: list, mirror: list[bool], size: int, chunk_values: int = 1 << 28
+) -> torch.Tensor:
     """uint8 [3, H_i, W_i] images (of any sizes), their boxes (top, left, height, width) and mirror
     flags -> float [n, 3, size, size], 0-255: one roi_align per chunk of images padded to the largest
     (chunks of at most ``chunk_values`` floats, 1 GiB, whatever the images' size)."""
@@ -274,7 +310,16 @@ def crop_batch(images: list[torch.Tensor], at: list, mirror: list[bool], size: i
     h, w = max(im.shape[1] for im in images), max(im.shape[2] for im in images)
     per = max(1, chunk_values // (3 * h * w))
     b = torch.tensor(at, dtype=torch.float, device=dev)
-    rois = torch.stack([torch.arange(len(images), device=dev, dtype=torch.float), b[:, 1], b[:, 0], b[:, 1] + b[:, 3], b[:, 0] + b[:, 2]], 1)
+    rois = torch.stack(
+        [
+            torch.arange(len(images), device=dev, dtype=torch.float),
+            b[:, 1],
+            b[:, 0],
+            b[:, 1] + b[:, 3],
+            b[:, 0] + b[:, 2],
+        ],
+        1,
+    )
     out = []
     for k in range(0, len(images), per):
         part = images[k : k + per]
@@ -342,7 +387,9 @@ class DecodeAhead:
             if isinstance(got, BaseException):
                 raise got
             out, done = got
-            if main is not None:  # the step's stream waits for the decode; the memory is not reused before the step is done
+            if (
+                main is not None
+            ):  # the step's stream waits for the decode; the memory is not reused before the step is done
                 main.wait_event(done)
                 for t in out:
                     if isinstance(t, torch.Tensor):
@@ -384,8 +431,14 @@ def eval_batches(split: Streamed, cfg: Config, rt: Runtime, batch: int) -> Itera
     longest = math.ceil(len(shards) / rt.world_size)
     total = math.ceil(longest / batch)
     data = _EvalBatches(shards, mine, batch, size, not on_gpu)
-    loader = DataLoader(data, batch_size=None, num_workers=min(len(data), workers(cfg, on_gpu)), collate_fn=_as_is, pin_memory=rt.cuda,
-                        worker_init_fn=quiet_worker)
+    loader = DataLoader(
+        data,
+        batch_size=None,
+        num_workers=min(len(data), workers(cfg, on_gpu)),
+        collate_fn=_as_is,
+        pin_memory=rt.cuda,
+        worker_init_fn=quiet_worker,
+    )
     for item in loader:
         if on_gpu:
             x, labels, _ = decode_on_gpu(item[0], item[1], item[2], size, rt.device)
@@ -393,7 +446,10 @@ def eval_batches(split: Streamed, cfg: Config, rt: Runtime, batch: int) -> Itera
             x, labels = item[0].to(rt.device, non_blocking=True), item[1]
         yield x, labels.to(rt.device, non_blocking=True)
     for _ in range(total - len(data)):
-        yield torch.empty(0, 3, size, size, dtype=torch.uint8, device=rt.device), torch.empty(0, dtype=torch.long, device=rt.device)
+        yield (
+            torch.empty(0, 3, size, size, dtype=torch.uint8, device=rt.device),
+            torch.empty(0, dtype=torch.long, device=rt.device),
+        )
 
 
 class _EvalBatches(Dataset):
