@@ -19,7 +19,7 @@ import torch
 from conftest import ROOT, TINY, env, newest, run, trainer_cmd
 
 from trainer.contract import EXIT_PREEMPTED, EXIT_RUNNING, EXIT_USAGE
-from trainer.launch import supervisor
+from trainer.launch import liveness, supervisor
 from trainer.launch.procs import has_children
 from trainer.launch.supervisor import recorded, verdict
 from trainer.worker.checkpoint import folder as checkpoint
@@ -560,7 +560,7 @@ def test_the_supervisor_gives_each_torchrun_attempt_a_fresh_rendezvous_store(tmp
 
 
 def test_a_missing_home_is_replaced_by_a_private_writable_one(tmp_path, monkeypatch):
-    from trainer.launch.supervisor import writable_home
+    from trainer.launch.node import writable_home
 
     monkeypatch.setenv("HOME", str(tmp_path / "not-there"))
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
@@ -592,11 +592,9 @@ def agent():
 def test_an_agent_left_without_a_live_worker_past_its_rendezvous_bound_is_named(agent, monkeypatch):
     from trainer.launch import supervisor
 
-    monkeypatch.setattr(supervisor, "LOST_RENDEZVOUS_MARGIN_S", 1.5)
+    monkeypatch.setattr(liveness, "LOST_RENDEZVOUS_MARGIN_S", 1.5)
     p = agent
-    watch = supervisor.LostRendezvous(
-        ["--rdzv-endpoint=node0:29400", "--rdzv-conf=join_timeout=1,read_timeout=1"], p.pid
-    )
+    watch = liveness.LostRendezvous(["--rdzv-endpoint=node0:29400", "--rdzv-conf=join_timeout=1,read_timeout=1"], p.pid)
     assert watch.bound_s == 2.5
     assert watch.check() == ""  # within the bound
     deadline = time.time() + 10
@@ -613,7 +611,7 @@ def test_an_agent_left_without_a_live_worker_past_its_rendezvous_bound_is_named(
 def test_an_agent_with_a_live_worker_is_left_alone(monkeypatch):
     from trainer.launch import supervisor
 
-    monkeypatch.setattr(supervisor, "LOST_RENDEZVOUS_MARGIN_S", 0.0)
+    monkeypatch.setattr(liveness, "LOST_RENDEZVOUS_MARGIN_S", 0.0)
     p = subprocess.Popen(
         [
             sys.executable,
@@ -625,11 +623,11 @@ def test_an_agent_with_a_live_worker_is_left_alone(monkeypatch):
         deadline = time.time() + 10
         while time.time() < deadline and not psutil.Process(p.pid).children():
             time.sleep(0.05)
-        watch = supervisor.LostRendezvous(["--rdzv-conf=join_timeout=0"], p.pid)
+        watch = liveness.LostRendezvous(["--rdzv-conf=join_timeout=0"], p.pid)
         time.sleep(0.5)  # duration: past the (zero) bound, with a worker alive
         assert has_children(p.pid) is True and watch.check() == ""
         # torchrun's default
-        assert supervisor.LostRendezvous([], p.pid).bound_s == 600 + supervisor.LOST_RENDEZVOUS_MARGIN_S
+        assert liveness.LostRendezvous([], p.pid).bound_s == 600 + liveness.LOST_RENDEZVOUS_MARGIN_S
     finally:
         for c in psutil.Process(p.pid).children(recursive=True):
             c.kill()
@@ -709,7 +707,7 @@ def test_workers_keep_node_caches_on_the_volume(tmp_path, monkeypatch):
     the CUDA driver's JIT cache always, and the workers' Python bytecode where the installation has
     none (pip --no-compile, a site-packages the job cannot write, PYTHONDONTWRITEBYTECODE=1: every
     process compiles its sources at every start otherwise)."""
-    from trainer.launch.supervisor import node_cache_env
+    from trainer.launch.node import node_cache_env
     from trainer.launch.torchrun_args import worker_config
 
     (tmp_path / "mod_without_bytecode.py").write_text("x = 1\n")  # never imported: no .pyc anywhere

@@ -18,7 +18,7 @@ import pytest
 from conftest import ROOT, TINY, env, trainer_cmd, worker
 
 from trainer.contract import EXIT_HUNG
-from trainer.launch.supervisor import HEARTBEAT_MARGIN_S, kill_hung_workers
+from trainer.launch.liveness import HEARTBEAT_MARGIN_S, kill_hung_workers
 from trainer.worker import watchdog
 from trainer.worker.watchdog import Watchdog
 

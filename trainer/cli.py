@@ -36,7 +36,7 @@ from trainer.contract import (
     stopped_while_starting,
     supervised,
 )
-from trainer.launch.supervisor import gpu_count, writable_home
+from trainer.launch.node import gpu_count, writable_home
 
 _LOCAL_RANK = re.compile(r"^--local[-_]rank(=(\d+))?$")
 

@@ -23,8 +23,9 @@ the job, 128-255 replace the pod), ``TRAINER_EXIT_POLICY=exitcode`` keeps the co
 so the policy brings its own bound: a node whose run crashes CRASHES_WITHOUT_PROGRESS times in a
 row with no newer checkpoint exits 1, which fails the job, instead of holding its GPUs for ever.
 
-A worker that makes no progress and cannot act on it itself (stopped, frozen) is killed here, so
-torchrun restarts the group (see trainer/worker/watchdog.py: its heartbeat files in ``$TRAINER_EXIT_DIR``).
+A worker that makes no progress and cannot act on it itself (stopped, frozen) is killed while
+torchrun runs, so that torchrun restarts the group (trainer/launch/liveness.py; its heartbeat files
+in ``$TRAINER_EXIT_DIR``).
 An agent left without workers longer than its rendezvous can take (it waits on a first node it
 cannot reach, for ever) is ended with a crash code (:class:`LostRendezvous`).
 
@@ -36,7 +37,6 @@ Nothing here imports torch: usage errors and ``--help`` stay fast.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import shutil
@@ -53,9 +53,10 @@ from trainer.config import Config
 from trainer.contract import EXIT_CRASH, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE, say
 from trainer.launch import slurm
 from trainer.launch.console import Relay
-from trainer.launch.procs import GONE, has_children, state
-from trainer.launch.torchrun_args import endpoint, option, rdzv_conf, with_rdzv_defaults, worker_config
-from trainer.runfolder import last_step, newest_complete
+from trainer.launch.liveness import LostRendezvous, kill_hung_workers
+from trainer.launch.node import node_cache_env, processes_per_node
+from trainer.launch.torchrun_args import option, with_rdzv_defaults, worker_config
+from trainer.runfolder import newest_complete
 
 EXIT_POLICY_ENV = "TRAINER_EXIT_POLICY"
 """``exitcode``: the codes for a launcher that retries 128-255 only (see the module docstring)."""
@@ -74,34 +75,6 @@ FORWARDED = {
     signal.SIGHUP: signal.SIGHUP,
     signal.SIGUSR1: signal.SIGTERM,
 }
-
-
-def gpu_count() -> int:
-    """CUDA devices this process sees (CUDA_VISIBLE_DEVICES applies), asked of the driver itself:
-    torch.cuda.device_count() would cost a torch import (seconds) in a launcher that needs none.
-    0 without a driver or a GPU."""
-    try:
-        cuda = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return 0
-    count = ctypes.c_int(0)
-    if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:  # CUDA_SUCCESS is 0
-        return 0
-    return count.value
-
-
-def writable_home() -> None:
-    """Point HOME at a private folder under the temp dir when it is missing or not writable.
-
-    A uid with no passwd entry (a compose ``user:`` override, OpenShift's random uid, Pod Security
-    with another ``runAsUser``) often gets HOME=/ : matplotlib then warns on every rank and makes a
-    new cache each time, and compile caches have nowhere to live. Children inherit the fix."""
-    home = os.environ.get("HOME", "")
-    if home and os.path.isdir(home) and os.access(home, os.W_OK | os.X_OK):
-        return
-    fallback = Path(tempfile.gettempdir()) / f"trainer-home-{os.getuid()}"
-    fallback.mkdir(mode=0o700, exist_ok=True)
-    os.environ["HOME"] = str(fallback)
 
 
 def _records(folder: Path) -> list[tuple[int, str]]:
@@ -134,98 +107,6 @@ def _say_usage_error(folder: Path) -> None:
     they print (torchrun stops the group), so the supervisor, not rank 0, says it."""
     if message := _usage_message(folder):
         say(message)
-
-
-HEARTBEAT_MARGIN_S = 10.0
-"""Past a worker's bound, so that its own watchdog, which can write its Python stacks, goes first."""
-
-
-def stacks_from_outside(pid: int, timeout_s: float = 20.0) -> str:
-    """The Python stacks of a process that cannot write its own (stopped, stuck in the kernel), read
-    from its memory by py-spy (a dependency; it reads a stopped process without resuming it: the
-    supervisor is the worker's ancestor, which ptrace's default scope allows), or why not."""
-    spy = Path(sys.executable).with_name("py-spy")
-    spy = str(spy) if spy.exists() else shutil.which("py-spy")
-    if spy is None:
-        return "(no Python stacks: py-spy is not installed, and the process could not run to write them)"
-    try:
-        p = subprocess.run(
-            [spy, "dump", "--pid", str(pid), "--nonblocking"], capture_output=True, text=True, timeout=timeout_s
-        )
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"(no Python stacks: py-spy failed: {type(e).__name__})"
-    if p.returncode != 0:
-        return f"(no Python stacks: py-spy could not read the process: {(p.stderr or p.stdout).strip()[:300]})"
-    return "Python stacks read by py-spy:\n" + p.stdout
-
-
-def kill_hung_workers(folder: Path, margin_s: float = HEARTBEAT_MARGIN_S) -> list[str]:
-    """Kill every worker whose heartbeat file (trainer/worker/watchdog.py) is older than its bound plus
-    ``margin_s``: it cannot act on its own watchdog (stopped, frozen). Returns what was said."""
-    said = []
-    for hb in folder.glob("hb-*"):
-        try:
-            info, age = json.loads(hb.read_text()), time.time() - hb.stat().st_mtime
-        except (OSError, ValueError):
-            continue
-        if age <= info["bound_s"] + margin_s:
-            continue
-        hb.unlink(missing_ok=True)  # once per worker
-        now = state(info["pid"])
-        if now in (None, *GONE):
-            continue  # gone already, or exited and not yet reaped by torchrun (its attempt is ending)
-        step = last_step(folder, info["rank"])  # exact: the heartbeat file's is up to a second old
-        step = info["step"] if step is None else step
-        line = (
-            f"trainer torchrun: rank {info['rank']} (pid {info['pid']}, {now}) has made no progress for {age:.0f} s "
-            f"after step {step} and its own watchdog did not act (bound {info['bound_s']:.0f} s, dist.hang_timeout_s): "
-            "killing it so that torchrun restarts from the newest checkpoint"
-        )
-        try:
-            with open(info["hang_file"], "a") as f:
-                f.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n{stacks_from_outside(info['pid'])}\n")
-        except OSError:
-            pass
-        try:
-            os.kill(info["pid"], signal.SIGKILL)
-        except ProcessLookupError:
-            continue
-        say(line)
-        said.append(line)
-    return said
-
-
-LOST_RENDEZVOUS_MARGIN_S = 60.0
-"""Past the longest legitimate wait of an agent without workers (its rendezvous' join_timeout)."""
-
-
-class LostRendezvous:
-    """Notices a torchrun agent that has had no worker for longer than its rendezvous can take: it is
-    blocked on a store it cannot reach (the first node's network is cut, or that node is gone), where
-    torchrun itself retries the read for ever. The first node's agent gives up at join_timeout on its
-    own; this gives the others the same end, a crash code their scheduler retries."""
-
-    def __init__(self, torchrun_args: list[str], pid: int):
-        self.join_s = float(rdzv_conf(torchrun_args).get("join_timeout", 600))
-        self.bound_s = self.join_s + LOST_RENDEZVOUS_MARGIN_S
-        self.endpoint = endpoint(torchrun_args)
-        self.pid, self.since = pid, time.monotonic()
-
-    def check(self) -> str:
-        """'' while all is well; else the line to say before ending torchrun."""
-        workers = has_children(self.pid)
-        if workers is None or workers:  # None: torchrun itself is gone (its exit is handled): never act on a guess
-            self.since = time.monotonic()
-            return ""
-        idle = time.monotonic() - self.since
-        if idle <= self.bound_s:
-            return ""
-        return (
-            f"trainer torchrun: no worker has run on this node for {idle:.0f} s and torchrun still waits on the "
-            f"rendezvous "
-            f"at {self.endpoint} (join_timeout {self.join_s:.0f} s): the first node is unreachable or gone; "
-            f"exiting {EXIT_CRASH} so that the scheduler starts the job again"
-        )
 
 
 def verdict(torchrun_code: int, codes: list[int], signalled: bool = False) -> int:
@@ -306,37 +187,6 @@ def for_launcher(code: int, run_dir: Path | None, policy: str) -> int:
     return RETRYABLE + code
 
 
-BYTECODE = "compile-cache/python-bytecode"
-CUDA_JIT = "compile-cache/cuda-jit"
-
-
-def node_cache_env(cfg: Config | None, probe: str = "torch") -> dict[str, str]:
-    """Caches that live on a node, kept on the volume beside the compile caches
-    (model.compile_cache) so that a restart on a fresh node finds them; a variable the caller set
-    is left alone.
-
-    - CUDA_CACHE_PATH (``compile-cache/cuda-jit``): the driver's cache of kernels it compiled from
-      PTX at run time, in ``~/.nv`` otherwise, which a fresh node lacks: its first forward-backward
-      compiles them again.
-    - PYTHONPYCACHEPREFIX (``compile-cache/python-bytecode``), only where the installation carries
-      no bytecode for torch (an image built with ``pip --no-compile`` whose site-packages the job
-      cannot write, PYTHONDONTWRITEBYTECODE=1): every process of every start compiles torch's
-      Python sources again otherwise.
-
-    What each saves: BENCHMARKS.md, "What each optimisation bought" and the restarts."""
-    import importlib.util
-
-    if cfg is None or not cfg.model.compile_cache:
-        return {}
-    root = cfg.checkpoint.root.resolve()
-    env = {} if os.environ.get("CUDA_CACHE_PATH") else {"CUDA_CACHE_PATH": str(root / CUDA_JIT)}
-    spec = importlib.util.find_spec(probe)
-    bytecode = spec is None or not spec.origin or os.path.exists(importlib.util.cache_from_source(spec.origin))
-    if not (bytecode or os.environ.get("PYTHONPYCACHEPREFIX")):
-        env["PYTHONPYCACHEPREFIX"] = str(root / BYTECODE)
-    return env
-
-
 def _watch(
     proc: subprocess.Popen, exit_dir: Path, watch: LostRendezvous, limit: slurm.TimeLimit | None, poll_s: float
 ) -> tuple[int, bool]:
@@ -382,15 +232,6 @@ def missing_mount() -> str | None:
                 "--data_dir DIR) with folders on storage every node sees"
             )
     return None
-
-
-def processes_per_node(argv: list[str]) -> int:
-    """torchrun's --nproc-per-node as a number (gpu and auto count this node's GPUs, as torchrun does)."""
-    value = option(argv, "nproc-per-node", "1")
-    if value.isdigit():
-        return int(value)
-    gpus = gpu_count()
-    return gpus if value == "gpu" or (value == "auto" and gpus) else os.cpu_count() or 1
 
 
 def world_range_problem(argv: list[str], cfg: Config | None) -> str | None:
