@@ -4,6 +4,7 @@ against a real TCPStore; the nodes' own waits are in test_hosts.py."""
 import socket
 from datetime import datetime, timedelta, timezone
 
+import pytest
 import torch.distributed as dist
 
 from trainer.launch.rendezvous import Reporter
@@ -65,6 +66,7 @@ def test_torchs_private_rendezvous_state_is_in_the_form_the_reporter_reads():
     del store
 
 
+@pytest.mark.slow  # an etcd server (Debian's etcd-server): make test-slow, which CI runs
 def test_under_etcd_a_node_whose_keep_alive_stopped_is_named_and_the_workers_stopped(etcd_server, monkeypatch):
     """Two nodes form a real etcd-v2 rendezvous (torch's own handlers, one per thread, node8 and
     node9). node9's keep-alive stops (its host cut, then its power gone: nothing is closed); node8's

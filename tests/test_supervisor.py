@@ -590,7 +590,6 @@ def agent():
 
 
 def test_an_agent_left_without_a_live_worker_past_its_rendezvous_bound_is_named(agent, monkeypatch):
-    from trainer.launch import supervisor
 
     monkeypatch.setattr(liveness, "LOST_RENDEZVOUS_MARGIN_S", 1.5)
     p = agent
@@ -609,7 +608,6 @@ def test_an_agent_left_without_a_live_worker_past_its_rendezvous_bound_is_named(
 
 
 def test_an_agent_with_a_live_worker_is_left_alone(monkeypatch):
-    from trainer.launch import supervisor
 
     monkeypatch.setattr(liveness, "LOST_RENDEZVOUS_MARGIN_S", 0.0)
     p = subprocess.Popen(
