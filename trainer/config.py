@@ -63,7 +63,7 @@ class ModelConfig:
     compile_cache: bool = True
     """Keep torch's compile caches (inductor and Triton) in checkpoint.dir/compile-cache/<key>, keyed
     by torch, GPU, world size and config, so that a restart, on any node, loads the compiled step
-    instead of compiling again (what it saves: BENCHMARKS.md, restarts). A new checkpoint.dir
+    instead of compiling again (what it saves: BENCHMARKS.md, "Restarts"). A new checkpoint.dir
     starts cold. Only used when the model is compiled."""
     channels_last: bool | None = None
     """Keep activations and conv weights in NHWC, what Tensor Cores want (auto: on for CUDA)."""
@@ -104,7 +104,8 @@ class DataConfig:
     decode: Literal["auto", "gpu", "cpu"] = "auto"
     """Streamed JPEGs: decoded by the DataLoader workers on the CPU (cropped and resized there), or
     on the GPU in batches (nvjpeg and one batched crop, read ahead on a thread; the workers only
-    read bytes). auto: cpu, faster where measured (BENCHMARKS.md, streamed decode)."""
+    read bytes). auto: cpu, faster where measured (BENCHMARKS.md, "Your own images: ResNet-50 at
+    224 px from shards")."""
     max_bad_images: int = 100
     """Streamed images that fail to decode (a damaged shard) are skipped: a copy of another image of
     the same batch takes the place, and a line names the shard. Past this many on one rank the run
@@ -192,7 +193,7 @@ class TrainConfig:
     the bf16 copy after every step, so gradients come out, and are all-reduced, in bf16 (half the
     bytes of fp32) and autocast casts no weights per step. Biases and norm parameters stay fp32.
     Checkpoints hold the fp32 master weights either way. auto: bf16 wherever it works (so fp32 on
-    the CPU, whose autocast is off by default). Its gain: BENCHMARKS.md, the speed recipes."""
+    the CPU, whose autocast is off by default). Its gain: BENCHMARKS.md, "What each optimisation bought"."""
     log_every: int = 50
     """Steps between log lines: each one is a CPU-GPU sync point."""
     log_seconds: float = 30.0
@@ -251,8 +252,8 @@ class DistConfig:
     batch values) and form the summed gradient itself, instead of all-reducing it (in x out
     values). It costs a graph break and the other ranks' share of the weight-gradient product.
     auto: on for the layers where it sends FACTOR_RATIO (16) times fewer values, as seednet's first
-    Linear at batch 64 per GPU (where it gains and where it loses: BENCHMARKS.md, the speed
-    recipes). The same gradient up to rounding."""
+    Linear at batch 64 per GPU (where it gains and where it loses: BENCHMARKS.md, "What each
+    optimisation bought"). The same gradient up to rounding."""
     broadcast_buffers: bool = False
     """DDP: copy rank 0's buffers (batch-norm statistics) to every rank before each forward, as
     DDP itself does by default. Off here: it saves a broadcast and its host work per step. Running
