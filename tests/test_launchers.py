@@ -755,7 +755,9 @@ def test_operator_simulation_an_evicted_pod_exits_203_is_replaced_and_the_job_re
     paths = volumes(tmp_path)
     pods = Pods(tmp_path, pytorchjob_pods(job, paths, ["train.epochs=4"], SLOW_STEPS))
     assert pods.run(exitcode_policy, [("master-0", r"epoch 2/4 step", "evict:worker-0")]) == "Succeeded"
-    assert pods.codes["worker-0"] == [203, 0] and "exit 203 (run the same command to resume)" in pods.out("worker-0", 0)
+    assert pods.codes["worker-0"] == [203, 0] and "exit 203 (run the same command to resume from step-" in pods.out(
+        "worker-0", 0
+    )
     # rank 0 (which prints) is on whichever pod the re-formed group gave it to
     assert (
         "resuming from" in pods.out("master-0") + pods.out("worker-0")

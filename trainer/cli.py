@@ -24,7 +24,8 @@ import time
 import click
 
 from trainer.config import ConfigError, check_batch, check_devices, check_world_range
-from trainer.config_loader import config_arguments, explain, load_config, to_yaml
+from trainer.config_args import config_arguments
+from trainer.config_loader import explain, load_config, to_yaml
 from trainer.contract import (
     EXIT_CRASH,
     EXIT_USAGE,

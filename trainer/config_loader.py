@@ -20,7 +20,6 @@ import typing
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
-import click
 import yaml
 
 from trainer.config import CIFAR_MODELS, TORCHVISION_MODELS, Config, ConfigError
@@ -220,26 +219,3 @@ def explain() -> str:
             if (section_name, name) == ("model", "name"):
                 lines.append(f"    models: {', '.join(CIFAR_MODELS)}; torchvision's: {', '.join(TORCHVISION_MODELS)}")
     return "\n".join(lines)
-
-
-def config_arguments(fn):
-    """``--config FILE`` and the ``KEY=VALUE`` overrides after it: the one grammar of a config on a
-    command line, the CLI's commands' (trainer/cli.py) and :func:`command_config`'s."""
-    fn = click.argument("overrides", nargs=-1)(fn)
-    return click.option("--config", "-c", "config_file", metavar="FILE", help="YAML config (configs/*.yaml).")(fn)
-
-
-@click.command(add_help_option=False)
-@config_arguments
-def _config_only(config_file, overrides):
-    """The arguments of ``trainer train``, parsed, nothing run."""
-
-
-def command_config(args: list[str]) -> Config | None:
-    """The config of ``python -m trainer train ARGS`` (``args``: the part after ``train``), parsed as
-    the CLI parses it; None for bad input, which the workers report in their own words."""
-    try:
-        ctx = _config_only.make_context("train", list(args))
-        return load_config(ctx.params["config_file"], ctx.params["overrides"])
-    except (click.ClickException, ConfigError):
-        return None

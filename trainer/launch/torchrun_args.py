@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 from trainer.config import Config
-from trainer.config_loader import command_config
+from trainer.config_args import command_config
 from trainer.contract import EXIT_CRASH, EXIT_DIR_ENV, RUN_DIR_ENV
 from trainer.runfolder import newest_complete
 
