@@ -12,10 +12,8 @@ GONE = (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
 def has_children(pid: int) -> bool | None:
     """Whether the process has a live child now (exited ones it has not reaped do not count); None
     if the process itself is gone (nothing to tell)."""
-    try:
-        return any(state(c.pid) not in (None, *GONE) for c in psutil.Process(pid).children())
-    except psutil.NoSuchProcess:
-        return None
+    live = live_children(pid)
+    return None if live is None else bool(live)
 
 
 def live_children(pid: int) -> frozenset[int] | None:
