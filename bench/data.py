@@ -10,7 +10,7 @@ is also timed alone (the loader, no model: batches on the GPU), its capacity whe
 take more. Host memory: the streamed run again over an index that lists every shard 16 times (16x
 the images, the same files), peak RSS of each.
 
-    python -m bench.data OUT --cifar DIR [--photo] [--images 25600] [--steps 100]
+    python -m bench.data OUT --cifar DIR [--photo [large]] [--images 25600] [--steps 100]
     python -m bench.data --readers SHARDS     # the two readers on the CPU
     python -m bench.data --memory SHARDS      # host memory of a streamed CPU run, the set x1 and x16
     python -m bench.data --decode CIFAR_DIR   # the GPU decode's parts on photo-like JPEGs, ms per batch of 256
@@ -29,6 +29,8 @@ import time
 from multiprocessing import Pool
 from pathlib import Path
 
+# photo-like sizes (width, height): a camera's 4:3; "large" is scaled by the shard writer to 512 px (its shorter side)
+PHOTO = {"photo": (500, 375), "large": (1333, 1000)}
 MODEL = [
     "model.name=resnet50",
     "data.image_size=224",
@@ -50,14 +52,15 @@ def _upscale(item: tuple[str, bytes, str, bool]) -> None:
     from PIL import Image
 
     name, raw, out, photo = item
-    img = Image.open(io.BytesIO(raw)).convert("RGB").resize((500, 375) if photo else (256, 256), Image.BICUBIC)
+    w, h = PHOTO[photo] if photo else (256, 256)
+    img = Image.open(io.BytesIO(raw)).convert("RGB").resize((w, h), Image.BICUBIC)
     if photo:  # grain: a smooth upscale compresses to a fifth of a photo's bytes and decodes faster
-        grain = np.random.default_rng(abs(hash(name)) % 2**32).normal(0, 20, (375, 500, 3))
+        grain = np.random.default_rng(abs(hash(name)) % 2**32).normal(0, 20, (h, w, 3))
         img = Image.fromarray((np.asarray(img) + grain).clip(0, 255).astype(np.uint8))
     img.save(out, format="JPEG", quality=90)
 
 
-def make_set(cifar: Path, root: Path, images: int, test: int = 1024, photo: bool = False) -> None:
+def make_set(cifar: Path, root: Path, images: int, test: int = 1024, photo: str = "") -> None:
     """CIFAR-10's first ``images`` train and ``test`` test JPEGs (round robin over classes), upscaled to
     256 px (or photo-like, see the module's docstring). Each tarball is read once, in order: a member taken out of a
     gzip stream out of order
@@ -342,7 +345,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--cifar", type=Path, required=True)
     p.add_argument("--images", type=int, default=25600)
     p.add_argument("--steps", type=int, default=100, help="the reference loader's timed steps")
-    p.add_argument("--photo", action="store_true", help="500x375 images of about 100 KB (default: 256 px, 12 KB)")
+    p.add_argument(
+        "--photo",
+        nargs="?",
+        const="photo",
+        default="",
+        choices=sorted(PHOTO),
+        help="photo-like images: 500x375 of about 100 KB, or --photo large: 1333x1000 (default: 256 px, 12 KB)",
+    )
     p.add_argument(
         "--cases", default="", help="some cases, comma-separated (loader-alone: the three feeds without the model)"
     )
@@ -366,20 +376,21 @@ def report(rows) -> int:
 
 
 def run(
-    out: Path, cifar: Path, images: int = 25600, steps: int = 100, photo: bool = False, only: tuple[str, ...] = ()
+    out: Path, cifar: Path, images: int = 25600, steps: int = 100, photo: str = "", only: tuple[str, ...] = ()
 ) -> list[dict]:
     """Every case of the suite (or those named in ``only``); the rows, also written to OUT/data-bench.json."""
     a = argparse.Namespace(out=out, cifar=cifar, images=images, steps=steps)
     a.out.mkdir(parents=True, exist_ok=True)
-    root, shards = a.out / ("photo" if photo else "jpeg256"), a.out / ("shards-photo" if photo else "shards")
+    root, shards = a.out / (photo or "jpeg256"), a.out / (f"shards-{photo}" if photo else "shards")
     t0 = time.time()
     if not (root / "test").is_dir():
         make_set(a.cifar, root, a.images, photo=photo)
     made = time.time() - t0
-    subprocess.run(
-        [sys.executable, "-m", "trainer", "data", "--shards", str(shards), "data.name=imagefolder", f"data.dir={root}"],
-        check=True,
-    )
+    if not (shards / "train.json").exists():  # a later call on the same OUT (other cases, cores) reuses them
+        subprocess.run(
+            [sys.executable, "-m", "trainer", "data", "--shards", str(shards), "data.name=imagefolder", f"data.dir={root}"],
+            check=True,
+        )
     sized = json.loads((shards / "train.json").read_text())
     times16(shards, a.out / "x16")
     steps = []  # two epochs of the set
@@ -469,7 +480,7 @@ def decode_parts(cifar: Path, n: int = 256, repeat: int = 10) -> list[dict]:
     from trainer.worker.data.stream import boxes, crop_batch, crop_resize, step_uniforms
 
     with tempfile.TemporaryDirectory() as tmp:
-        make_set(cifar, Path(tmp), n, test=10, photo=True)
+        make_set(cifar, Path(tmp), n, test=10, photo="photo")
         files = sorted(Path(tmp, "train").rglob("*.jpg"))[:n]
         raws = [torchvision.io.read_file(str(f)) for f in files]
     flat = torch.cat(raws)
@@ -533,6 +544,7 @@ def decode_parts(cifar: Path, n: int = 256, repeat: int = 10) -> list[dict]:
     rows.append(
         {"case": "gpu-decode-pinned-views", "ms": ms(lambda: decode_jpeg(views, mode=ImageReadMode.RGB, device=dev))}
     )
+    rows += nvimgcodec_parts(flat, raws, u, imgs, ms)
     rows.append(
         {"case": "roi-vs-interpolate-mean-abs", "levels": round((roi(torch.float) - ref).abs().mean().item(), 3)}
     )
@@ -546,6 +558,45 @@ def decode_parts(cifar: Path, n: int = 256, repeat: int = 10) -> list[dict]:
     for j, im in enumerate(cpu):
         crop_resize(im, at[j], 224, mirror[j])
     rows.append({"case": "cpu-crop-resize-one-core", "ms_per_image": round((time.perf_counter() - t0) / 64 * 1000, 2)})
+    return rows
+
+
+def nvimgcodec_parts(flat, raws, u, imgs, ms) -> list[dict]:
+    """nvImageCodec beside torchvision's nvjpeg: the decode alone and the whole batch (decode, crops),
+    whole images or only each crop box (ROI), and how far its pixels are from nvjpeg's."""
+    import torch
+    from nvidia import nvimgcodec
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    from trainer.worker.data.stream import decode_nvimgcodec, decode_on_gpu, nvimgcodec_decoder
+
+    dev, n = torch.device("cuda"), len(raws)
+    lengths, labels, where = [r.numel() for r in raws], torch.zeros(n, dtype=torch.long), [f"s:{j}" for j in range(n)]
+    pinned = flat.pin_memory()
+    streams = [nvimgcodec.CodeStream(r.numpy()) for r in raws]
+    dec = nvimgcodec_decoder(dev)
+    rows = [{"case": "nvimgcodec-decode-only", "ms": ms(lambda: dec.decode(streams))}]
+    for backend, kind in (
+        ("hw", nvimgcodec.BackendKind.HW_GPU_ONLY),
+        ("cuda", nvimgcodec.BackendKind.GPU_ONLY),
+        ("hybrid", nvimgcodec.BackendKind.HYBRID_CPU_GPU),
+    ):
+        one = nvimgcodec.Decoder(backends=[nvimgcodec.Backend(kind)])
+        rows.append({"case": f"nvimgcodec-decode-only-{backend}", "ms": ms(lambda one=one: one.decode(streams))})
+    got = [torch.from_dlpack(im).permute(2, 0, 1) for im in dec.decode(streams)]
+    ref = decode_jpeg(raws, mode=ImageReadMode.RGB, device=dev)
+    diff = max((a.int() - b.int()).abs().max().item() for a, b in zip(got, ref, strict=True))
+    rows.append({"case": "nvimgcodec-vs-nvjpeg-max-abs", "levels": diff})
+    for name in ("nvjpeg", "nvimgcodec", "roi"):
+        os.environ["TRAINER_GPU_DECODER"] = name
+        fn = decode_on_gpu if name == "nvjpeg" else decode_nvimgcodec
+        rows.append(
+            {
+                "case": f"batch-{name}-decode-and-crop",
+                "ms": ms(lambda fn=fn: fn((pinned, lengths), labels.clone(), where, 224, dev, u, True)),
+            }
+        )
+    os.environ.pop("TRAINER_GPU_DECODER")
     return rows
 
 

@@ -5,7 +5,7 @@
 # BENCH_ARGS adds options to every `trainer bench` (e.g. "--seeds 4,5,6"); BENCH_CACHE shares the
 # decoded data between benches run side by side (CUDA_VISIBLE_DEVICES=0 ... & CUDA_VISIBLE_DEVICES=1 ...).
 set -uo pipefail
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}
 DATA=${DATA:-.devdata}
@@ -49,6 +49,24 @@ for part in "$@"; do
           wait
         done
       } 2>&1 | grep -vE "^W[0-9]{4}|UserWarning|warnings.warn" | tee "$OUT/multinode.log"
+      ;;
+    decode:*)   # decode:SET (photo or large): GPU decode against the CPU workers at 4 and 16 host cores (issue 62)
+      kind=${part#decode:}
+      {
+        [ "$kind" = photo ] && python3 -m bench.data --decode "$DATA"
+        n=12800; [ "$kind" = large ] && n=6400
+        # the set and its shards, made once with every core
+        python3 -m bench.data "$OUT/decode" --cifar "$DATA" --photo "$kind" --images "$n" --cases none > /dev/null
+        for run in ${DECODE_RUNS:-0-3:cpu 0-3:nvjpeg 0-3:nvimgcodec 0-3:roi 0-15:cpu 0-15:nvimgcodec 0-15:roi}; do
+          cores=${run%%:*} dec=${run#*:}
+          case=ours-shards-gpu-decode; [ "$dec" = cpu ] && case=ours-shards-cpu-decode
+          [ "$kind $run" = "photo 0-15:cpu" ] && case=$case,ceiling-synthetic-on-gpu
+          echo "### $kind cores $cores decode $dec"
+          TRAINER_GPU_DECODER=$dec taskset -c "$cores" python3 -m bench.data "$OUT/decode" --cifar "$DATA" \
+            --photo "$kind" --images "$n" --cases "$case" |
+            sed "s/^{/{\"set\": \"$kind\", \"cores\": \"$cores\", \"decoder\": \"$dec\", /"
+        done
+      } 2>&1 | grep -vE "^W[0-9]{4}|UserWarning|warnings.warn" | tee "$OUT/decode-$kind.log"
       ;;
   esac
 done

@@ -286,6 +286,10 @@ def decode_on_gpu(
     """One nvjpeg call for the batch (``raws``: :func:`one_buffer`'s), then every image's crop
     (random-resized from ``u``, or the test centre crop without it) resized to ``size`` by one
     roi_align: float [n, 3, size, size]."""
+    import os
+
+    if os.environ.get("TRAINER_GPU_DECODER", "nvjpeg") != "nvjpeg":  # the bench's switch (nvimgcodec, roi)
+        return decode_nvimgcodec(raws, labels, where, size, device, u, flip)
     from torchvision.io import ImageReadMode, decode_jpeg
 
     views = list(torch.split(raws[0], raws[1]))
@@ -294,6 +298,53 @@ def decode_on_gpu(
     except RuntimeError:  # one bad JPEG fails the batched call: decode one by one to find it
         images, bad = decode_each(views, lambda raw: decode_jpeg(raw, mode=ImageReadMode.RGB, device=device))
     at, mirror = boxes(images, size, u, flip)
+    lost = fill_bad(images, at, mirror, labels, bad, where)
+    return crop_batch(images, at, mirror, size), labels, lost
+
+
+_DECODERS: dict = {}
+
+
+def nvimgcodec_decoder(device: torch.device):
+    """nvImageCodec's decoder for ``device``, made once per process (it holds the codec's threads and
+    the hardware decoder's state)."""
+    from nvidia import nvimgcodec
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _DECODERS:
+        _DECODERS[index] = nvimgcodec.Decoder(device_id=index)
+    return _DECODERS[index]
+
+
+def decode_nvimgcodec(raws, labels, where, size, device, u=None, flip=False):
+    """nvImageCodec's batched decode (the hardware JPEG engine where the GPU has one, else CUDA),
+    then :func:`crop_batch`. TRAINER_GPU_DECODER=roi decodes only each image's crop box (read
+    from the JPEG's header before the decode)."""
+    import os
+
+    from nvidia import nvimgcodec
+
+    buf, lengths = raws[0].numpy(), raws[1]
+    starts = [0]
+    for n in lengths[:-1]:
+        starts.append(starts[-1] + n)
+    streams = [nvimgcodec.CodeStream(buf[o : o + n]) for o, n in zip(starts, lengths, strict=True)]
+    stream = torch.cuda.current_stream(device).cuda_stream
+    roi = os.environ.get("TRAINER_GPU_DECODER") == "roi"
+    if roi:
+        heads = [torch.empty(0, cs.height, cs.width) for cs in streams]
+        at, mirror = boxes(heads, size, u, flip)
+        streams = [
+            cs.get_sub_code_stream(region=nvimgcodec.Region(t, lft, t + h, lft + w))
+            for cs, (t, lft, h, w) in zip(streams, at, strict=True)
+        ]
+    out = nvimgcodec_decoder(device).decode(streams, cuda_stream=stream)
+    images = [torch.from_dlpack(im).permute(2, 0, 1) if im is not None else None for im in out]
+    bad = [j for j, im in enumerate(images) if im is None]
+    if roi:
+        at = [(0, 0, im.shape[1], im.shape[2]) if im is not None else (0, 0, 1, 1) for im in images]
+    else:
+        at, mirror = boxes(images, size, u, flip)
     lost = fill_bad(images, at, mirror, labels, bad, where)
     return crop_batch(images, at, mirror, size), labels, lost
 
