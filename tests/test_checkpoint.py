@@ -105,6 +105,43 @@ def test_damaged_newest_is_reported_set_aside_and_the_previous_used(tmp_path, da
         checkpoint.verify(tmp_path / "step-2.corrupt")
 
 
+def flip_a_byte(folder) -> None:
+    f = folder / "__0_0.distcp"
+    raw = bytearray(f.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    f.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("older", [True, False])
+def test_a_resume_picks_by_size_and_confirms_the_checksums_hashed_meanwhile(tmp_path, older):
+    """The pick reads no checkpoint's bytes (they are hashed on a thread while the model builds);
+    the restore waits for the sums: a damaged pick is set aside for the previous one, or, with none
+    left, the attempt stops as a crash (the model was built for a resume) and the next one starts
+    from scratch."""
+    from trainer.worker.checkpoint.checkpointer import CheckpointLost
+
+    for step in (1, 2) if older else (2,):
+        write(state(step), tmp_path, step)
+    flip_a_byte(tmp_path / "step-2")
+    said: list[str] = []
+    ck = Checkpointer(
+        load_config(None, ["model.name=tinynet", f"checkpoint.dir={tmp_path}"]), True, False, say=said.append
+    )
+    assert ck.claim_and_pick() == tmp_path / "step-2" and not said  # sized right: picked, not yet read
+    if older:
+        assert ck.confirm(tmp_path / "step-2") == tmp_path / "step-1"
+    else:
+        with pytest.raises(CheckpointLost, match="step-2 was damaged.*starts from scratch"):
+            ck.confirm(tmp_path / "step-2")
+    assert len(said) == 1 and "step-2" in said[0] and "checksum mismatch" in said[0], said
+    assert (tmp_path / "step-2.corrupt").is_dir() and not (tmp_path / "step-2").exists()
+    ck.lock.release()
+    again = Checkpointer(load_config(None, ["model.name=tinynet", f"checkpoint.dir={tmp_path}"]), True, False)
+    picked = again.claim_and_pick()
+    assert picked == (tmp_path / "step-1" if older else None) and again.confirm(picked) == picked
+    again.lock.release()
+
+
 def test_keep_last_k_never_deletes_the_only_good_checkpoint(tmp_path):
     write(state(1), tmp_path, 1, keep=1)
     write(state(2), tmp_path, 2, keep=1)

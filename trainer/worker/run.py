@@ -15,7 +15,7 @@ from torch import nn
 
 from trainer.config import Config, ConfigError
 from trainer.worker import compile_cache, data, models, parallel, pretrained
-from trainer.worker.checkpoint.checkpointer import Checkpointer
+from trainer.worker.checkpoint.checkpointer import Checkpointer, CheckpointLost
 from trainer.worker.checkpoint.parts import ModelPart, OptimizerPart, TrainState
 from trainer.worker.data.loader import Augment, make_train_loader
 from trainer.worker.metrics import Progress, RunLog, Startup
@@ -147,6 +147,7 @@ def build(cfg: Config, rt: Runtime, started_at: float | None = None) -> Run:
     parts = {"model": ModelPart(model, cfg.model.name), "optimizer": OptimizerPart(model, optimizer)}
     ckpt.register(**parts, scheduler=schedule, **extras.parts(), train=state)
     if resumed_from is not None:
+        resumed_from = confirm_checkpoint(ckpt, rt, resumed_from)
         ckpt.restore(resumed_from)
         clock.mark("restore")
     # one line per concern: the run, its data, its model and optimizer, its checkpoints and records
@@ -205,6 +206,21 @@ def pick_checkpoint(ckpt: Checkpointer, rt: Runtime) -> Path | None:
             error = e
     agree(rt, error)
     return broadcast(rt, resumed_from)
+
+
+def confirm_checkpoint(ckpt: Checkpointer, rt: Runtime, picked: Path) -> Path:
+    """Rank 0 waits for the picked checkpoint's checksums (or falls back to an older one); every
+    rank learns which it restores."""
+    confirmed: Path | str = picked
+    if rt.is_main:
+        try:
+            confirmed = ckpt.confirm(picked)
+        except CheckpointLost as e:
+            confirmed = str(e)
+    confirmed = broadcast(rt, confirmed)
+    if isinstance(confirmed, str):  # every rank stops alike: a crash, and the next attempt starts from scratch
+        raise CheckpointLost(confirmed)
+    return confirmed
 
 
 def make_loader(cfg: Config, rt: Runtime, split: Any, fast: Fast, augment: Augment):

@@ -8,7 +8,8 @@ file's size with one sha256 per 64 MiB part) is written and fsynced with the fol
 folder is renamed ``step-N``. The rename is the commit: a crash at any moment leaves either no
 ``step-N`` or a complete one, and a temporary folder is never taken for a checkpoint (it is removed
 at the next start). On resume the newest ``step-N`` whose sizes and checksums match is used; a
-damaged one is reported, renamed ``step-N.corrupt`` and skipped for the one before.
+damaged one is reported, renamed ``step-N.corrupt`` and skipped for the one before. A resume
+picks by sizes and hashes the picked files while the model is built (checkpoint/checkpointer.py).
 """
 
 from __future__ import annotations
@@ -66,21 +67,32 @@ def files_of(meta: dict) -> dict[str, dict]:
 
 def verify(folder: Path) -> dict:
     """meta.json of ``folder`` if every file has its recorded size and checksums; else raise."""
+    meta = check_sizes(folder)
+    check_sums(folder, meta)
+    return meta
+
+
+def check_sizes(folder: Path) -> dict:
+    """meta.json of ``folder`` if every file is there with its recorded size (no byte read); else raise."""
     meta = read_meta(folder)
-    files = files_of(meta)
-    part_bytes = meta.get("part_bytes") or (meta.get("parts") or {}).get("bytes") or PART_BYTES
-    for name, want in files.items():
+    for name, want in files_of(meta).items():
         try:
             size = (folder / name).stat().st_size
         except OSError as e:
             raise CheckpointError(f"checkpoint {folder} is incomplete ({name}: {e.strerror})") from None
         if size != want["bytes"]:
             raise CheckpointError(f"checkpoint {folder} is truncated ({name}: {size} of {want['bytes']} bytes)")
+    return meta
+
+
+def check_sums(folder: Path, meta: dict) -> None:
+    """Raise unless every file of ``folder`` has the checksums ``meta`` (its meta.json) records."""
+    part_bytes = meta.get("part_bytes") or (meta.get("parts") or {}).get("bytes") or PART_BYTES
+    for name, want in files_of(meta).items():
         digest = want["sha256"]
         got = sha256_parts(folder / name, part_bytes) if isinstance(digest, list) else sha256(folder / name)
         if got != digest:
             raise CheckpointError(f"checkpoint {folder} is corrupted ({name}: checksum mismatch)")
-    return meta
 
 
 def quarantine(folder: Path) -> Path:
@@ -111,17 +123,23 @@ def prune_set_aside(root: Path, keep: int = KEEP_SET_ASIDE, say=print) -> list[P
     return gone
 
 
-def newest_good(root: Path, say=print) -> Path | None:
-    """The newest verified checkpoint in ``root``; damaged ones are reported and set aside."""
+def newest_good(root: Path, say=print, sums: bool = True) -> Path | None:
+    """The newest verified checkpoint in ``root`` (``sums=False``: its files only sized, the caller
+    checks the sums); damaged ones are reported and set aside."""
     for _, folder in reversed(complete(root)):
         try:
-            verify(folder)
+            verify(folder) if sums else check_sizes(folder)
             return folder
         except CheckpointError as e:
-            moved = quarantine(folder)
-            say(f"warning: {e}; skipped it (moved to {moved.name}) and trying the previous one")
-            prune_set_aside(root, say=say)
+            set_aside(root, folder, e, say)
     return None
+
+
+def set_aside(root: Path, folder: Path, error: CheckpointError, say=print) -> None:
+    """A damaged checkpoint renamed step-N.corrupt, with a line that says so."""
+    moved = quarantine(folder)
+    say(f"warning: {error}; skipped it (moved to {moved.name}) and trying the previous one")
+    prune_set_aside(root, say=say)
 
 
 def explicit_resume(root: Path, resume: str) -> Path | None:
