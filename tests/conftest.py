@@ -123,6 +123,21 @@ def slow_steps(seconds: float) -> dict[str, str]:
     return {"TRAINER_FAULT": f"batch:slow={seconds}", "TRAINER_FAULT_RANK": "0"}
 
 
+def spawn(cmd: list[str], environ: dict[str, str], new_session: bool = False) -> subprocess.Popen:
+    """A job whose output (stdout and stderr, line by line) the test reads from ``.stdout``; in its
+    own session where the test signals it as a terminal would."""
+    return subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=environ,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+        start_new_session=new_session,
+    )
+
+
 def env(**extra: str) -> dict[str, str]:
     e = {
         k: v

@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import (
-    ROOT,
     TINY,
     env,
     made_once,
@@ -26,6 +25,7 @@ from conftest import (
     reseal,
     run,
     saved,
+    spawn,
     torchrun_cmd,
     trainer_cmd,
     tree_files,
@@ -50,15 +50,7 @@ LINE = re.compile(r"epoch (\d+)/\d+ step (\d+)/(\d+)")
 
 def start(ckpt: Path, *overrides: str, restarts: int = 2, extra_env: dict | None = None) -> subprocess.Popen:
     cmd = torchrun_cmd(2, "train", *JOB, f"checkpoint.dir={ckpt}", *overrides, max_restarts=restarts)
-    return subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        env=env(**(extra_env or {})),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        bufsize=1,
-    )
+    return spawn(cmd, env(**(extra_env or {})))
 
 
 def global_step(line: str) -> int | None:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BF16_DDP, ROOT, TINY, env, gpu_figure, same_training, worker
+from conftest import BF16_DDP, ROOT, TINY, env, gpu_figure, same_training, spawn, worker
 from test_resume import check_resume
 
 GPUS = torch.cuda.device_count()
@@ -213,15 +213,7 @@ def launch(ckpt: Path, *overrides: str, extra_env: dict | None = None) -> subpro
         f"checkpoint.dir={ckpt}",
         *overrides,
     ]
-    return subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        env=gpu_env(**(extra_env or {})),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        bufsize=1,
-    )
+    return spawn(cmd, gpu_env(**(extra_env or {})))
 
 
 def follow(

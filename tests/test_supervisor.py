@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import ROOT, TINY, env, newest, run, trainer_cmd
+from conftest import ROOT, TINY, env, newest, run, spawn, trainer_cmd
 
 from trainer.contract import EXIT_PREEMPTED, EXIT_RUNNING, EXIT_USAGE
 from trainer.launch import liveness, supervisor
@@ -109,16 +109,7 @@ def test_an_unknown_exit_policy_is_bad_input_in_one_line(tmp_path):
 def launch(ckpt: Path, *overrides: str, nproc: int = 2, extra_env: dict | None = None) -> subprocess.Popen:
     """`trainer launch` in its own session (as a terminal job), output in a pipe."""
     cmd = trainer_cmd("launch", "--nproc-per-node", str(nproc), *LONG, f"checkpoint.dir={ckpt}", *overrides)
-    return subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        env=env(**(extra_env or {})),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        bufsize=1,
-        start_new_session=True,
-    )
+    return spawn(cmd, env(**(extra_env or {})), new_session=True)
 
 
 def until(agent: subprocess.Popen, words: str, timeout: float = 120) -> list[str]:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import ROOT, TINY, env, trainer_cmd, worker
+from conftest import ROOT, TINY, env, spawn, trainer_cmd, worker
 
 from trainer.contract import EXIT_HUNG
 from trainer.launch.liveness import HEARTBEAT_MARGIN_S, kill_hung_workers
@@ -272,16 +272,7 @@ JOB = [*TINY, "train.epochs=24", "train.log_every=4", "dist.hang_timeout_s=5"]
 
 def launch(ckpt: Path, nproc: int, extra_env: dict | None = None) -> subprocess.Popen:
     cmd = trainer_cmd("launch", "--nproc-per-node", str(nproc), *JOB, f"checkpoint.dir={ckpt}")
-    return subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        env=env(**(extra_env or {})),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        bufsize=1,
-        start_new_session=True,
-    )
+    return spawn(cmd, env(**(extra_env or {})), new_session=True)
 
 
 def follow(agent: subprocess.Popen, on_line=None, timeout: float = 240) -> tuple[str, dict]:
