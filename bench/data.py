@@ -388,7 +388,16 @@ def run(
     made = time.time() - t0
     if not (shards / "train.json").exists():  # a later call on the same OUT (other cases, cores) reuses them
         subprocess.run(
-            [sys.executable, "-m", "trainer", "data", "--shards", str(shards), "data.name=imagefolder", f"data.dir={root}"],
+            [
+                sys.executable,
+                "-m",
+                "trainer",
+                "data",
+                "--shards",
+                str(shards),
+                "data.name=imagefolder",
+                f"data.dir={root}",
+            ],
             check=True,
         )
     sized = json.loads((shards / "train.json").read_text())
