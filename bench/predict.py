@@ -120,7 +120,7 @@ def main(argv: list[str]) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     photos = a.out / "photo"
     if not (photos / "train").is_dir():
-        make_set(a.cifar, photos, a.images, test=16, photo=True)
+        make_set(a.cifar, photos, a.images, test=16, photo="photo")
     weights = make_model(a.out)
     folder = photos / "train"
     n = sum(1 for _ in folder.rglob("*.jpg"))

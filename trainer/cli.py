@@ -29,12 +29,10 @@ from trainer.config_loader import explain, load_config, to_yaml
 from trainer.contract import (
     EXIT_CRASH,
     EXIT_USAGE,
-    StoppedStarting,
     die_with_parent,
     record_exit,
     stamp_command_start,
     stop_while_starting,
-    stopped_while_starting,
     supervised,
 )
 from trainer.launch.node import gpu_count, writable_home
@@ -99,14 +97,10 @@ def train(config_file, overrides):
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: die with torchrun, never train on orphaned
         die_with_parent()
     stop_while_starting()  # a stop before the run's own handler: exit 75 at once (nothing to save yet)
-    try:
-        cfg = load_config(config_file, overrides)  # bad input: one line, before torch's import
-        from trainer.worker.main import train as train_worker
+    cfg = load_config(config_file, overrides)  # bad input: one line, before torch's import
+    from trainer.worker.main import train as train_worker
 
-        code = train_worker(cfg, started)
-    except StoppedStarting as e:
-        code = stopped_while_starting(str(e))
-    sys.exit(code)
+    sys.exit(train_worker(cfg, started))
 
 
 @main.command("eval")

@@ -97,19 +97,17 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
 """What stops a worker with a checkpoint (trainer/worker/stop.py); during its start-up, at once."""
 
 
-class StoppedStarting(BaseException):
-    """A stop signal before the worker's first step: a BaseException, so no crash handler takes it."""
-
-
 def stop_while_starting() -> None:
     """Until the run's StopFlag takes the stop signals over (its first step is near), one ends the
     worker at once: it has trained nothing since the newest checkpoint, so there is nothing to save
     and nothing is lost. A preemption or a time limit that comes while the workers still import
     torch, restore or compile is then a stop (exit 75, resume me), not a crash that no launcher
-    retries (Slurm requeues a job after 75 only)."""
+    retries (Slurm requeues a job after 75 only). The handler ends the process itself: an exception
+    raised from it lands wherever the worker is, and inside torch's import a C function turned one
+    into a TypeError."""
 
     def on_signal(signum, frame):
-        raise StoppedStarting(signal.Signals(signum).name)
+        os._exit(stopped_while_starting(signal.Signals(signum).name))
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, on_signal)
@@ -117,7 +115,8 @@ def stop_while_starting() -> None:
 
 def stopped_while_starting(signal_name: str) -> int:
     """The worker's end after :func:`stop_while_starting`'s signal: one line per node, the exit
-    recorded for the supervisor; returns EXIT_PREEMPTED."""
+    recorded for the supervisor; returns EXIT_PREEMPTED. Written straight to the file descriptor:
+    the signal may have come in the middle of a print to the same stream."""
     import socket
 
     line = (
@@ -126,7 +125,7 @@ def stopped_while_starting(signal_name: str) -> int:
         f"step: nothing to save; exit {EXIT_PREEMPTED}, the next start resumes from the newest checkpoint"
     )
     if os.environ.get("LOCAL_RANK", "0") == "0":
-        say(line)
+        os.write(2, (line + "\n").encode())
     record_exit(EXIT_PREEMPTED, line)
     return EXIT_PREEMPTED
 
