@@ -1,7 +1,7 @@
 """trainer predict and trainer export, timed as a user runs them (BENCHMARKS.md, "Predict and export").
 
     python -m bench.predict OUT --cifar DIR [--images 10240] [--batch 256] [--workers 8] [--before TREE]
-    [--predict-only]
+    [--predict-only] [--runtime-batch 32]
 
 Makes ``--images`` photo-like JPEGs (500x375, about 100 KB: bench/data.py's) from the CIFAR-10
 tarballs in DIR, and a ResNet-50 with random weights as a safetensors export (real ImageNet weights
@@ -113,6 +113,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--before", type=Path, help="an earlier commit's tree: its trainer predict timed beside")
     p.add_argument("--predict-only", action="store_true", help="no export and runtime cases")
+    p.add_argument("--runtime-batch", type=int, default=32, help="the CPU runtimes' batch")
     a = p.parse_args(argv)
     a.out = a.out.resolve()
     from bench.data import make_set
@@ -192,7 +193,7 @@ def main(argv: list[str]) -> int:
             ),
             flush=True,
         )
-    print(json.dumps(runtime_rates(a.out / "resnet50.onnx")), flush=True)
+    print(json.dumps(runtime_rates(a.out / "resnet50.onnx", a.runtime_batch)), flush=True)
     return 0
 
 

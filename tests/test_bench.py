@@ -143,6 +143,8 @@ def test_the_predict_bench_times_predict_beside_a_plain_script_and_the_exports(t
             "8",
             "--workers",
             "1",
+            "--runtime-batch",
+            "4",
         ],
         cwd=ROOT,
         timeout=1200,
