@@ -84,6 +84,13 @@ def test_format_1_checkpoints_still_load(tmp_path):
     assert torch.equal(store.read(old, ("model",))["model"]["w"], w)
 
 
+def flip_a_byte(folder) -> None:
+    f = folder / "__0_0.distcp"
+    raw = bytearray(f.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    f.write_bytes(bytes(raw))
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip", "no-state"])
 def test_damaged_newest_is_reported_set_aside_and_the_previous_used(tmp_path, damage):
     for step in (1, 2):
@@ -92,9 +99,7 @@ def test_damaged_newest_is_reported_set_aside_and_the_previous_used(tmp_path, da
     if damage == "truncate":
         f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     elif damage == "flip":
-        raw = bytearray(f.read_bytes())
-        raw[len(raw) // 2] ^= 0xFF
-        f.write_bytes(bytes(raw))
+        flip_a_byte(tmp_path / "step-2")
     else:
         f.unlink()
     said = []
@@ -103,13 +108,6 @@ def test_damaged_newest_is_reported_set_aside_and_the_previous_used(tmp_path, da
     assert (tmp_path / "step-2.corrupt").is_dir() and not (tmp_path / "step-2").exists()
     with pytest.raises(CheckpointError):
         checkpoint.verify(tmp_path / "step-2.corrupt")
-
-
-def flip_a_byte(folder) -> None:
-    f = folder / "__0_0.distcp"
-    raw = bytearray(f.read_bytes())
-    raw[len(raw) // 2] ^= 0xFF
-    f.write_bytes(bytes(raw))
 
 
 @pytest.mark.parametrize("older", [True, False])

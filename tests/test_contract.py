@@ -1,12 +1,11 @@
 """The exit contract's worker side (trainer/contract.py): what a stopped worker tells apart."""
 
 import signal
-import subprocess
 import threading
 import time
 
 import pytest
-from conftest import ROOT, TINY, env, trainer_cmd
+from conftest import TINY, env, spawn, trainer_cmd
 
 from trainer import contract
 
@@ -30,20 +29,12 @@ def test_a_signal_marked_late_is_still_a_signal_and_no_mark_is_a_re_form(tmp_pat
 def test_a_stop_at_any_moment_of_a_workers_start_is_exit_75_and_one_line(tmp_path, after_s):
     """A stop while the worker imports torch, builds or restores: exit 75 and its one line, never a
     traceback (a handler that raised landed inside torch's import as a TypeError, a crash)."""
-    worker = subprocess.Popen(
-        [*trainer_cmd("train"), *TINY, "train.epochs=50", f"checkpoint.dir={tmp_path}"],
-        cwd=ROOT,
-        env=env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    worker = spawn([*trainer_cmd("train"), *TINY, "train.epochs=50", f"checkpoint.dir={tmp_path}"], env())
     time.sleep(after_s)
     worker.send_signal(signal.SIGTERM)
     out = worker.communicate(timeout=120)[0]
-    if "step 1/" in out or "epoch 1/" in out:  # this machine started faster than the delay: the run's own stop
-        assert worker.returncode == contract.EXIT_PREEMPTED, out
-        return
     assert worker.returncode == contract.EXIT_PREEMPTED, out
+    if "step 1/" in out or "epoch 1/" in out:  # this machine started faster than the delay: the run's own stop
+        return
     assert "stopped by SIGTERM while starting, before its first step: nothing to save; exit 75" in out, out
     assert "Traceback" not in out, out

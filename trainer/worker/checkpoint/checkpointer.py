@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from concurrent.futures import Future
 from datetime import timedelta
 from pathlib import Path
 
@@ -58,7 +59,7 @@ class Checkpointer:
         self._stager = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._sums: tuple[threading.Thread, list] | None = None
+        self._sums: Future | None = None
 
     # -- claiming the folder, picking the checkpoint (rank 0)
     # -------------------------------------------------------------------
@@ -81,33 +82,31 @@ class Checkpointer:
     def _hash_behind(self, folder: Path) -> None:
         """The picked checkpoint's checksums, hashed on a thread while the model is built: its
         bytes are read from the volume once, and the restore then finds them in the page cache.
-        On the critical path they cost seed.yaml's 2.4 GB 2-4 s of a fresh node's restart."""
-        got: list = []
+        On the critical path they cost seed.yaml's 2.4 GB 2-4 s of a fresh node's restart. A daemon
+        thread, not an executor's: a run that fails before its restore does not wait for the hash."""
+        sums: Future = Future()
 
         def run() -> None:
             try:
                 files.check_sums(folder, files.read_meta(folder))
-                got.append(None)
+                sums.set_result(None)
             except BaseException as e:  # noqa: BLE001 - given to confirm()
-                got.append(e)
+                sums.set_exception(e)
 
-        thread = threading.Thread(target=run, name="checkpoint-sums", daemon=True)
-        thread.start()
-        self._sums = (thread, got)
+        threading.Thread(target=run, name="checkpoint-sums", daemon=True).start()
+        self._sums = sums
 
     def confirm(self, path: Path | None) -> Path | None:
         """Rank 0, before the restore: ``path`` if its checksums (hashed since the pick) match; a
         damaged one is set aside, with a line, for the newest intact one before it."""
-        if self._sums is None or path is None:
+        if self._sums is None:  # nothing picked, or an explicit path (restore verifies it)
             return path
-        thread, got = self._sums
-        self._sums = None
-        thread.join()
-        if not isinstance(got[0], files.CheckpointError):
-            if got[0] is not None:
-                raise got[0]
+        error, self._sums = self._sums.exception(), None
+        if error is None:
             return path
-        files.set_aside(self.root, path, got[0], say=self.say)
+        if not isinstance(error, files.CheckpointError):
+            raise error
+        files.set_aside(self.root, path, error, say=self.say)
         older = files.newest_good(self.root, say=self.say)
         if older is None:  # the model was built for a resume (its normalisation, no pretrained weights)
             raise CheckpointLost(
